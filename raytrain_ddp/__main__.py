@@ -1,0 +1,3 @@
+from raytrain_ddp.cli import main
+
+main()

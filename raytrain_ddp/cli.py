@@ -1,0 +1,136 @@
+"""Command line: flags to a TrainConfig, and bad input to one line on stderr.
+
+Every `TrainConfig` field is a flag of `raytrain run` (and of the commands that run training), with
+its docstring as the help text, so a new field is one edit in config.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
+
+app = typer.Typer(
+    help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # main() turns errors into one line; --debug shows tracebacks
+)
+
+FLAG_DECLS: dict[str, list[str]] = {
+    "workers": ["--workers", "-w"],
+    "gpu": ["--gpu/--cpu"],
+    "amp": ["--amp/--no-amp"],
+    "verbose": ["--verbose/--quiet"],
+}
+"""Flags whose spelling is not simply --field-name (scripts and docs rely on these)."""
+
+EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
+
+
+def train_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command(cfg, ...)` one option per TrainConfig field, plus --config.
+
+    Options left out arrive as None, so config.resolve lets the flags the user typed override the
+    config file, and the file override the defaults.
+    """
+    own = list(inspect.signature(command).parameters.values())[1:]  # all but cfg
+    docs = field_docs()
+    generated = []
+    for f in fields(TrainConfig):
+        kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
+        default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
+        decls = FLAG_DECLS.get(f.name) or [
+            f"--{f.name.replace('_', '-')}" + (f"/--no-{f.name.replace('_', '-')}" if kinds == [bool] else "")
+        ]
+        option = typer.Option(None, *decls, help=docs[f.name] + default, show_default=False)
+        generated.append(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kinds[0]])
+        )
+    config_file = inspect.Parameter(
+        "config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(None, "--config", help="YAML or TOML file of the same keys; flags override it."),
+        annotation=Optional[Path],
+    )
+    params = own + [config_file] + generated
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        flags = {f.name: kwargs.pop(f.name) for f in fields(TrainConfig)}
+        cfg = resolve(kwargs.pop("config"), flags)
+        return command(cfg, **kwargs)
+
+    del wrapper.__wrapped__  # typer must see the generated signature, not the original one
+    wrapper.__signature__ = inspect.Signature(params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+DEBUG = typer.Option(False, "--debug", help="Show full tracebacks.")
+
+
+@app.callback()
+def _group() -> None:
+    """Keeps `run` a subcommand while it is the only one."""
+
+
+@app.command()
+@train_options
+def run(
+    cfg: TrainConfig,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and Ray configs; start nothing."),
+    debug: bool = DEBUG,
+) -> None:
+    """Train a model with DDP on Ray Train: a local Ray, $RAY_ADDRESS, or --address."""
+    from raytrain_ddp import launch
+
+    if dry_run:
+        launch.dry_run(cfg)
+        return
+    summary = launch.run(cfg)
+    final = summary["final"]
+    print(
+        f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
+        f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
+    )
+
+
+def one_line(err: BaseException) -> str:
+    """The last meaningful line of an error: for a remote failure, the worker's own exception."""
+    failures = getattr(err, "worker_failures", None)
+    if failures:
+        rank, cause = min(failures.items())
+        return f"training failed on rank {rank}: {one_line(cause)}"
+    cause = getattr(err, "controller_failure", None) or getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        return one_line(cause)
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        app(args=argv, prog_name="raytrain")
+    except ConfigError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as err:  # a failed run: one line, not a wall of Ray internals
+        if debug:
+            raise
+        print(f"error: {one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(EXIT_FAILED)

@@ -1,0 +1,225 @@
+"""The one training config: defaults, then a config file, then CLI flags, validated once.
+
+`TrainConfig` is frozen and JSON-safe. It crosses into Ray as `to_dict()` and the worker loop turns
+it back with `from_dict()`, so only names, numbers and paths travel, never data.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULERS = ("none", "step", "cosine")
+BACKENDS = ("auto", "nccl", "gloo")
+PLACEMENTS = ("pack", "spread")
+LOADERS = ("torch", "ray")
+PROGRESS = ("auto", "rich", "plain", "none")
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message is one line that names the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # --- scale: what Ray Train's ScalingConfig gets ---
+    workers: int = 2
+    """Training workers (DDP ranks). One per GPU with --gpu."""
+    gpu: bool = False
+    """Train on GPUs with NCCL (--gpu) or on CPUs with gloo (--cpu)."""
+    cpus_per_worker: int = 1
+    """CPUs reserved per worker; also its torch and OpenMP thread count."""
+    placement: str = "pack"
+    """Worker placement: pack (fill nodes in turn) or spread (one node each, as far as possible)."""
+    address: str | None = None
+    """Ray cluster address (GCS host:port). Default: $RAY_ADDRESS if set, else a private local Ray."""
+    backend: str = "auto"
+    """Process-group backend: auto (nccl with --gpu, else gloo), nccl or gloo."""
+    wait_for_resources: float = 0.0
+    """Seconds to wait for nodes still joining before failing a request the cluster cannot fit."""
+
+    # --- model and data ---
+    model: str = "convnet"
+    """Model name: see `raytrain_ddp.models.MODELS` (convnet, resnet18, resnet50)."""
+    dataset: str = "synthetic"
+    """Dataset name: see `raytrain_ddp.data.DATASETS`."""
+    data_dir: str | None = None
+    """Directory that holds the dataset's files (real datasets only)."""
+    image_size: int = 32
+    """Side of the square images fed to the model, in pixels."""
+    num_classes: int = 10
+    """Number of classes; real datasets must have labels below it."""
+    train_samples: int = 4096
+    """Synthetic train-set size; for real datasets a cap on samples used (0 = all)."""
+    val_samples: int = 1024
+    """Synthetic validation-set size; for real datasets a cap on samples used (0 = all)."""
+    data_workers: int = 2
+    """DataLoader worker processes per training worker (0 = load in the training process)."""
+
+    # --- optimisation ---
+    epochs: int = 3
+    """Passes over the training set."""
+    batch_size: int = 64
+    """Batch size per worker; the global batch is batch_size x workers."""
+    lr: float = 0.05
+    """Peak learning rate."""
+    optimizer: str = "sgd"
+    """Optimizer: sgd (with momentum) or adamw."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 5e-4
+    """Weight decay (decoupled for adamw)."""
+    scheduler: str = "cosine"
+    """LR schedule per epoch: none, step (x0.1 at 50% and 75% of epochs) or cosine."""
+    amp: bool = True
+    """Mixed precision on GPU: bf16 where supported, else fp16 with a GradScaler. Ignored on CPU."""
+    seed: int = 0
+    """Seed for the model, the synthetic data and the sampler's shuffle."""
+
+    # --- run identity and outputs ---
+    storage_path: str = "./runs"
+    """Where run directories go; must be shared by all nodes on a multi-node cluster."""
+    name: str | None = None
+    """Run name, the directory under --storage-path. Default: run-YYYYmmdd-HHMMSS."""
+    progress: str = "auto"
+    """Driver progress display: rich bar, plain lines, or none. auto = rich on a TTY, else plain."""
+    verbose: bool = False
+    """Show Ray's own logs."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        for key in ("workers", "cpus_per_worker", "image_size", "epochs", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{_flag(key)} must be at least 1 (got {getattr(self, key)})")
+        if self.num_classes < 2:
+            raise ConfigError(f"--num-classes must be at least 2 (got {self.num_classes})")
+        for key in ("train_samples", "val_samples", "data_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{_flag(key)} must be 0 or more (got {getattr(self, key)})")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"--lr must be a positive number (got {self.lr})")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum})")
+        if self.wait_for_resources < 0:
+            raise ConfigError(f"--wait-for-resources must be 0 or more (got {self.wait_for_resources})")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
+        for key, choices in (
+            ("optimizer", OPTIMIZERS),
+            ("scheduler", SCHEDULERS),
+            ("backend", BACKENDS),
+            ("placement", PLACEMENTS),
+            ("progress", PROGRESS),
+        ):
+            if getattr(self, key) not in choices:
+                raise ConfigError(
+                    f"{_flag(key)} must be one of {', '.join(choices)} (got {getattr(self, key)!r})"
+                )
+        if self.backend == "nccl" and not self.gpu:
+            raise ConfigError("--backend nccl needs --gpu; use --backend gloo (or auto) on CPU")
+        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
+            raise ConfigError(f"--name must be a plain directory name (got {self.name!r})")
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "nccl" if self.gpu else "gloo"
+        return self.backend
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(
+                f"unknown config key(s): {', '.join(unknown)}; valid keys are the `raytrain run` "
+                "flags with _ for -, see `raytrain run --help`"
+            )
+        return cls(**values)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Reject wrong types from config files; YAML happily gives "3" or 3.5 where an int belongs."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        kinds = FIELD_TYPES[f.name]
+        if value is None and type(None) in kinds:
+            continue
+        # bool is an int subclass in Python; an int field must not take True.
+        ok = any(type(value) is k for k in kinds) or (float in kinds and type(value) is int)
+        if not ok:
+            wanted = " or ".join(k.__name__ for k in kinds if k is not type(None))
+            raise ConfigError(f"{_flag(f.name)} must be {wanted} (got {value!r})")
+        if float in kinds and type(value) is int:
+            object.__setattr__(cfg, f.name, float(value))
+
+
+def _types_of(annotation: str) -> tuple[type, ...]:
+    names = {"int": int, "float": float, "bool": bool, "str": str, "None": type(None)}
+    return tuple(names[part.strip()] for part in annotation.split("|"))
+
+
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    f.name: _types_of(f.type) for f in fields(TrainConfig)  # annotations are strings here
+}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's docstring, read from this file, so `--help` and the docs never drift apart."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or TOML config file into a dict of TrainConfig keys (dashes allowed)."""
+    path = Path(path)
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}; check --config") from None
+    try:
+        if path.suffix == ".toml":
+            values = tomllib.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+    except Exception as err:  # tomllib.TOMLDecodeError or yaml.YAMLError
+        raise ConfigError(f"config file {path} does not parse: {str(err).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def resolve(file: str | Path | None, flags: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the config file, then the flags the user actually gave (not None)."""
+    values = load_file(file) if file else {}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    return TrainConfig.from_dict(values)
+
+
+def dumps(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2)

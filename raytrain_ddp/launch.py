@@ -1,0 +1,231 @@
+"""The driver: connect to Ray, check the request fits, run TorchTrainer, write the run's files."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain_ddp.config import ConfigError, TrainConfig, dumps
+from raytrain_ddp.metrics import write_csv, write_json
+from raytrain_ddp.progress import Display
+
+POLL_S = 0.5
+"""How often the driver asks rank 0's metrics sink for news."""
+
+
+def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
+    """Fill in the run name and return the run directory, <storage-path>/<name>."""
+    if cfg.name is None:
+        cfg = dataclasses.replace(cfg, name=time.strftime("run-%Y%m%d-%H%M%S"))
+    storage = Path(cfg.storage_path).expanduser().absolute()
+    # Ray needs an absolute path: workers on other nodes do not share the driver's cwd.
+    cfg = dataclasses.replace(cfg, storage_path=str(storage))
+    return cfg, storage / cfg.name
+
+
+def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
+    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.gpu:
+        resources["GPU"] = 1
+    scaling = ScalingConfig(
+        num_workers=cfg.workers,
+        use_gpu=cfg.gpu,
+        resources_per_worker=resources,
+        placement_strategy=cfg.placement.upper(),
+    )
+    run = RunConfig(
+        name=cfg.name,
+        storage_path=cfg.storage_path,
+        # OpenMP in each worker must not spin up a thread per core of the whole node.
+        worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.cpus_per_worker)}},
+        logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
+    )
+    return scaling, run, TorchConfig(backend=cfg.resolved_backend)
+
+
+def dry_run(cfg: TrainConfig) -> None:
+    cfg, run_dir = resolve_run(cfg)
+    scaling, run, torch_config = trainer_configs(cfg)
+    print(f"config:\n{dumps(cfg)}")
+    print(f"run directory: {run_dir}")
+    print(f"ray address: {ray_address(cfg) or 'a new private local Ray'}")
+    print(f"{scaling}\n{run}\n{torch_config}")
+
+
+def ray_address(cfg: TrainConfig) -> str | None:
+    return cfg.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect(cfg: TrainConfig) -> None:
+    import ray
+
+    address = ray_address(cfg)
+    quiet = dict(
+        logging_level=logging.INFO if cfg.verbose else logging.WARNING,
+        log_to_driver=cfg.verbose,
+    )
+    if address is None:
+        # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
+        # machine last started, which may be another user's or another job's.
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _temp_dir=os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}"),
+            **quiet,
+        )
+        return
+    if address == "auto":
+        raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
+    try:
+        ray.init(address=address, **quiet)
+    except (ConnectionError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"cannot connect to the Ray cluster at {address} ({first}); check --address or "
+            "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
+        ) from None
+
+
+def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
+    """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
+    fits = 0
+    for node in nodes:
+        here = int(node.get("CPU", 0) // cpus_per_worker)
+        if gpu:
+            here = min(here, int(node.get("GPU", 0)))
+        fits += here
+    if fits >= workers:
+        return None
+    kind = "GPU" if gpu else "CPU"
+    per_node = [int(n.get(kind, 0)) for n in nodes]
+    total = sum(per_node)
+    layout = (
+        f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} x {per_node[0]} {kind}s"
+        if len(set(per_node)) == 1
+        else " + ".join(str(c) for c in per_node) + f" {kind}s on {len(nodes)} nodes"
+    )
+    if gpu and total == 0:
+        return f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}); drop --gpu to train on CPU"
+    if gpu and total < workers:
+        return f"asked for {workers} GPUs, the cluster has {total}: {layout}; lower --workers or add GPU nodes"
+    need = f"{workers} workers x {cpus_per_worker} CPU{'s' if cpus_per_worker > 1 else ''}"
+    return (
+        f"asked for {need}, the cluster fits {fits}: {layout}; lower --workers or "
+        "--cpus-per-worker, add nodes, or pass --wait-for-resources SECONDS for nodes still joining"
+    )
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Fail in seconds, naming what is missing, instead of waiting forever for resources."""
+    import ray
+
+    deadline = time.monotonic() + cfg.wait_for_resources
+    while True:
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        problem = placement_problem(cfg.workers, cfg.cpus_per_worker, cfg.gpu, nodes)
+        if problem is None:
+            return
+        if time.monotonic() >= deadline:
+            raise ConfigError(problem)
+        time.sleep(1.0)
+
+
+def check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write run directory {run_dir} ({err.strerror}); pass a writable --storage-path"
+        ) from None
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train, write metrics.csv and summary.json, and return the summary."""
+    started = time.time()
+    cfg, run_dir = resolve_run(cfg)
+    check_writable(run_dir)
+    connect(cfg)
+    preflight(cfg)
+
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_ddp.loop import train_loop
+    from raytrain_ddp.metrics import MetricsSink
+
+    scaling, run_config, torch_config = trainer_configs(cfg)
+    sink = MetricsSink.remote()
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"config": cfg.to_dict(), "sink": sink},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=torch_config,
+    )
+    display = Display(cfg.progress, cfg.epochs)
+    display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")
+    watcher = Watcher(sink, display, run_dir)
+    watcher.start()
+    try:
+        trainer.fit()
+    finally:
+        watcher.stop()
+        display.close()
+
+    info, rows = watcher.info, watcher.rows
+    if len(rows) != cfg.epochs:
+        raise RuntimeError(f"training ended after {len(rows)} of {cfg.epochs} epochs")
+    summary = {
+        "name": cfg.name,
+        "run_dir": str(run_dir),
+        "final": rows[-1],
+        "world_size": info["world_size"],
+        "backend": info["backend"],
+        "nodes": [r["hostname"] for r in info["ranks"]],
+        "node_ips": [r["ip"] for r in info["ranks"]],
+        "wall_time_s": round(time.time() - started, 3),
+        "config": cfg.to_dict(),
+    }
+    write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+class Watcher(threading.Thread):
+    """Polls the metrics sink while fit() blocks: updates the display, rewrites metrics.csv."""
+
+    def __init__(self, sink: Any, display: Display, run_dir: Path):
+        super().__init__(daemon=True)
+        self.sink, self.display, self.run_dir = sink, display, run_dir
+        self.info: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.done = threading.Event()
+
+    def poll(self) -> None:
+        import ray
+
+        info, step, rows = ray.get(self.sink.poll.remote())
+        if rows != self.rows:
+            write_csv(self.run_dir / "metrics.csv", rows)
+        self.info, self.rows = info, rows
+        self.display.update(info, step, rows)
+
+    def run(self) -> None:
+        while not self.done.wait(POLL_S):
+            self.poll()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
+        self.poll()  # the last epoch's row may have landed after the previous poll

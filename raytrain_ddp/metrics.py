@@ -1,0 +1,77 @@
+"""Metrics from the workers to the driver, and the files they end up in.
+
+Ray Train V2 keeps no metrics reported without a checkpoint, and the driver is the one process sure
+to see the user's `--storage-path`, so rank 0 sends its rows to a small actor that the driver polls.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+CSV_COLUMNS = [
+    "epoch",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "lr",
+    "epoch_time_s",
+    "throughput",
+    "world_size",
+    "backend",
+]
+
+
+@ray.remote(num_cpus=0)
+class MetricsSink:
+    """Holds what rank 0 last said. Workers only call it fire-and-forget; they never wait on it."""
+
+    def __init__(self) -> None:
+        self.run: dict[str, Any] = {}
+        self.last_step: dict[str, Any] | None = None
+        self.rows: dict[int, dict[str, Any]] = {}
+
+    def start(self, **run: Any) -> None:
+        self.run = run
+
+    def step(self, **update: Any) -> None:
+        self.last_step = update
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        # Keyed by epoch: a worker group restarted after a failure reports the epoch again.
+        self.rows[row["epoch"]] = row
+        self.last_step = None
+
+    def poll(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
+        return self.run, self.last_step, [self.rows[e] for e in sorted(self.rows)]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temp file and rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_atomic(path, out.getvalue())
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(value, indent=2) + "\n")

@@ -1,0 +1,50 @@
+"""Model registry: a plain dict from name to a builder taking (num_classes, in_channels)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+
+def convnet(num_classes: int, in_channels: int) -> nn.Module:
+    """A small CNN for 28-32 px images (MNIST, CIFAR-10); global pooling makes any size work."""
+
+    def block(c_in: int, c_out: int) -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
+
+    return nn.Sequential(
+        block(in_channels, 32),
+        block(32, 64),
+        block(64, 128),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, num_classes),
+    )
+
+
+def _torchvision(name: str) -> Callable[[int, int], nn.Module]:
+    def build(num_classes: int, in_channels: int) -> nn.Module:
+        import torchvision
+
+        model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+        if in_channels != 3:  # e.g. MNIST: swap the stem, keep the rest of the architecture
+            old = model.conv1
+            model.conv1 = nn.Conv2d(
+                in_channels, old.out_channels, old.kernel_size, old.stride, old.padding, bias=False
+            )
+        return model
+
+    return build
+
+
+MODELS: dict[str, Callable[[int, int], nn.Module]] = {
+    "convnet": convnet,
+    "resnet18": _torchvision("resnet18"),
+    "resnet50": _torchvision("resnet50"),
+}

@@ -1,0 +1,76 @@
+"""What the user watches on the driver: a rich bar on a terminal, plain lines in a Slurm .out file."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+PLAIN_EVERY_S = 10.0
+"""Plain mode prints a step line at most this often, so .out files stay readable."""
+
+
+def epoch_line(row: dict[str, Any], epochs: int) -> str:
+    return (
+        f"epoch {row['epoch']}/{epochs}  "
+        f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.3f}  "
+        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.3f}  "
+        f"{row['throughput']:.1f} samples/s  {row['epoch_time_s']:.1f} s"
+    )
+
+
+class Display:
+    """Turns successive polls of the MetricsSink into output. mode: rich, plain or none."""
+
+    def __init__(self, mode: str, epochs: int):
+        if mode == "auto":
+            mode = "rich" if sys.stdout.isatty() else "plain"
+        self.mode, self.epochs = mode, epochs
+        self.shown_epochs = 0
+        self.last_plain = 0.0
+        self.bar = self.task = None
+        if mode == "rich":
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("step {task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[rate]} samples/s"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            self.bar.start()
+
+    def print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line)
+        elif self.mode != "none":
+            print(line, flush=True)
+
+    def update(self, run: dict[str, Any], step: dict[str, Any] | None, rows: list[dict]) -> None:
+        for row in rows[self.shown_epochs :]:
+            self.print(epoch_line(row, self.epochs))
+            if self.task is not None:
+                self.bar.remove_task(self.task)
+                self.task = None
+        self.shown_epochs = max(self.shown_epochs, len(rows))
+        if step is None or step["epoch"] <= self.shown_epochs:
+            return
+        total = run.get("steps_per_epoch")
+        if self.bar is not None:
+            fields = {"loss": f"{step['loss']:.4f}", "rate": f"{step['samples_per_s']:.0f}"}
+            if self.task is None:
+                self.task = self.bar.add_task(f"epoch {step['epoch']}/{self.epochs}", total=total, **fields)
+            self.bar.update(self.task, completed=step["step"], **fields)
+        elif self.mode == "plain" and time.monotonic() - self.last_plain >= PLAIN_EVERY_S:
+            self.last_plain = time.monotonic()
+            self.print(
+                f"epoch {step['epoch']}/{self.epochs} step {step['step']}/{total}  "
+                f"loss {step['loss']:.4f}  {step['samples_per_s']:.1f} samples/s"
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
