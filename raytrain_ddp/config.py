@@ -64,6 +64,14 @@ class TrainConfig:
     """Synthetic validation-set size; for real datasets a cap on samples used (0 = all)."""
     data_workers: int = 2
     """DataLoader worker processes per training worker (0 = load in the training process)."""
+    loader: str = "torch"
+    """Ingest path: torch (DataLoader + DistributedSampler) or ray (Ray Data from Parquet shards)."""
+    download: bool = False
+    """Download the dataset into --data-dir first, where the dataset has a public source."""
+    val_fraction: float = 0.1
+    """Share of the training set held out for validation when the dataset has no val split."""
+    skip_bad: bool = False
+    """Skip corrupt or unreadable samples (and report how many) instead of stopping on the first."""
 
     # --- optimisation ---
     epochs: int = 3
@@ -109,6 +117,8 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number (got {self.lr})")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1) (got {self.momentum})")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must be between 0 and 1 (got {self.val_fraction})")
         if self.wait_for_resources < 0:
             raise ConfigError(f"--wait-for-resources must be 0 or more (got {self.wait_for_resources})")
         if self.weight_decay < 0:
@@ -119,6 +129,7 @@ class TrainConfig:
             ("backend", BACKENDS),
             ("placement", PLACEMENTS),
             ("progress", PROGRESS),
+            ("loader", LOADERS),
         ):
             if getattr(self, key) not in choices:
                 raise ConfigError(

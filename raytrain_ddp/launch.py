@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import socket
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
 from raytrain_ddp.metrics import write_csv, write_json
@@ -86,13 +89,57 @@ def connect(cfg: TrainConfig) -> None:
         return
     if address == "auto":
         raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
-    try:
-        ray.init(address=address, **quiet)
-    except (ConnectionError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    check_reachable(address)
+    if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
+        # A driver that names an address does not turn token auth on by itself, even with a token.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    with stderr_captured(not cfg.verbose) as log:
+        try:
+            ray.init(address=address, **quiet)
+            return
+        except (ConnectionError, RuntimeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            refused = log is not None and "InvalidAuthToken" in log.read_text(errors="replace")
+    if refused:
         raise ConfigError(
-            f"cannot connect to the Ray cluster at {address} ({first}); check --address or "
-            "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
+            f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to "
+            "the cluster's token file (and RAY_AUTH_MODE=token)"
+        )
+    raise ConfigError(
+        f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
+        "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
+    )
+
+
+@contextlib.contextmanager
+def stderr_captured(enabled: bool) -> Iterator[Path | None]:
+    """Send fd 2 to a file: Ray's C++ core logs each connection retry there, a line a second."""
+    if not enabled:
+        yield None
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.NamedTemporaryFile(prefix="raytrain-connect-", suffix=".log") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield Path(log.name)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Ray retries an unreachable GCS forever; a plain TCP connect fails in seconds instead."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--address {address!r} is not host:port (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({err.strerror or err}); check --address or "
+            "$RAY_ADDRESS, and that the head node is up"
         ) from None
 
 
@@ -154,7 +201,13 @@ def check_writable(run_dir: Path) -> None:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary."""
+    from raytrain_ddp import data
+    from raytrain_ddp.models import MODELS
+
     started = time.time()
+    if cfg.model not in MODELS:
+        raise ConfigError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
+    data.validate(cfg)
     cfg, run_dir = resolve_run(cfg)
     check_writable(run_dir)
     connect(cfg)
@@ -173,6 +226,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         scaling_config=scaling,
         run_config=run_config,
         torch_config=torch_config,
+        datasets=data.ray_datasets(cfg),
     )
     display = Display(cfg.progress, cfg.epochs)
     display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")

@@ -16,10 +16,9 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data import DATASETS
+from raytrain_ddp.data import make_loaders
 from raytrain_ddp.models import MODELS
 
 PROGRESS_EVERY_S = 1.0
@@ -44,24 +43,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if world_size > 1:
         dist.all_gather_object(ranks, where)
 
-    # [2] Data. Every rank builds the same dataset; the sampler gives each rank a disjoint shard.
-    data = DATASETS[cfg.dataset](cfg)
-    train_sampler = DistributedSampler(
-        data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed
-    )
-    loader_kwargs = dict(
-        batch_size=cfg.batch_size,
-        num_workers=cfg.data_workers,
-        pin_memory=cuda,  # pinned host memory only helps host-to-GPU copies
-        persistent_workers=cfg.data_workers > 0,
-    )
-    train_loader = DataLoader(data.train, sampler=train_sampler, **loader_kwargs)
-    # Validation takes every world_size-th sample with no padding, so each sample counts exactly once.
-    val_shard = Subset(data.val, range(rank, len(data.val), world_size))
-    val_loader = DataLoader(val_shard, shuffle=False, **loader_kwargs)
+    # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
+    loaders = make_loaders(cfg, rank, world_size, cuda)
 
     # [3] Model, optimizer, schedule, mixed precision.
-    model = MODELS[cfg.model](cfg.num_classes, data.in_channels)
+    model = MODELS[cfg.model](cfg.num_classes, loaders.in_channels)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
     model = ray.train.torch.prepare_model(
@@ -80,16 +66,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             world_size=world_size,
             backend=dist.get_backend() if dist.is_initialized() else "none",
             ranks=ranks,
-            steps_per_epoch=len(train_loader),
+            steps_per_epoch=loaders.steps_per_epoch,
         )
 
     # [4] Epochs.
     for epoch in range(1, cfg.epochs + 1):
-        train_sampler.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
+        loaders.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
         model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x n, correct, n
         start = last_update = time.perf_counter()
-        for step, (images, labels) in enumerate(train_loader, start=1):
+        for step, (images, labels) in enumerate(loaders.train, start=1):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             if cuda:
@@ -117,7 +103,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         train_time = time.perf_counter() - start
         train_loss, train_acc, train_n = all_reduce_means(sums)
 
-        val_loss, val_acc, _ = evaluate(model, val_loader, device, amp_dtype)
+        val_loss, val_acc, _ = evaluate(model, loaders.val, device, amp_dtype)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
 

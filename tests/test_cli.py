@@ -1,0 +1,126 @@
+"""The real CLI against a real Ray: a private local one, and the shared session head."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import TINY, raytrain
+from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
+
+
+@pytest.mark.e2e
+def test_run_starts_a_local_ray_and_learns(tmp_path):
+    """The README's first command, with no cluster around: a private local Ray on CPU."""
+    proc = raytrain(
+        "run", "--workers", "2", "--epochs", "2", "--train-samples", "1024", "--val-samples", "256",
+        "--data-workers", "0", "--storage-path", str(tmp_path), "--name", "local",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "local"
+    rows = read_csv(run_dir / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert set(CSV_COLUMNS) <= set(rows[0])
+    assert float(rows[-1]["val_acc"]) > 0.5  # 10 classes: chance is 0.1
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert all(r["world_size"] == "2" and r["backend"] == "gloo" for r in rows)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and len(summary["nodes"]) == 2
+    assert summary["final"]["val_acc"] == pytest.approx(float(rows[-1]["val_acc"]))
+    assert summary["config"]["workers"] == 2
+    assert "done: 2 gloo workers" in proc.stdout
+
+
+@pytest.mark.e2e
+def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("workers: 2\noptimizer: adamw\nlr: 0.003\nscheduler: step\nname: from-file\n")
+    proc = raytrain(
+        "run", "--config", str(config), "--name", "from-flag", "--storage-path", str(tmp_path), *TINY,
+        env=ray_head.env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "from-flag" / "summary.json").read_text())
+    assert summary["config"]["optimizer"] == "adamw" and summary["config"]["name"] == "from-flag"
+    assert len(summary["node_ips"]) == 2 and len(set(summary["node_ips"])) == 1  # one machine
+    assert "epoch 1/1" in proc.stdout  # plain progress lines for .out files
+
+
+def assert_refused(proc, *fragments, within_s=None, started=None):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    if within_s is not None:
+        assert time.monotonic() - started < within_s
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--workers", "0"], ["--workers must be at least 1"]),
+        (["--batch-size", "0"], ["--batch-size must be at least 1"]),
+        (["--model", "resnet9000"], ["unknown --model 'resnet9000'", "resnet18"]),
+        (["--dataset", "nope"], ["unknown --dataset 'nope'", "synthetic"]),
+        (["--address", "127.0.0.1:1"], ["no Ray cluster answers at 127.0.0.1:1"]),
+        (["--address", "auto"], ["--address auto"]),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, fragments, tmp_path):
+    started = time.monotonic()
+    proc = raytrain("run", *args, "--storage-path", str(tmp_path), timeout=60)
+    assert_refused(proc, *fragments, within_s=60, started=started)
+
+
+def test_bad_config_file(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('workers = 2\nbatchsize = 3\n')
+    assert_refused(raytrain("run", "--config", str(config)), "unknown config key(s): batchsize")
+
+
+def test_unwritable_storage_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = raytrain("run", "--storage-path", str(blocker / "runs"), "--address", "127.0.0.1:1")
+    assert_refused(proc, "cannot write run directory", "--storage-path")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = raytrain("run", "--workers", "0", "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_dry_run_starts_nothing(tmp_path):
+    proc = raytrain("run", "--dry-run", "--workers", "3", "--gpu", "--storage-path", str(tmp_path), "--name", "x")
+    assert proc.returncode == 0, proc.stderr
+    assert "num_workers=3" in proc.stdout and "use_gpu=True" in proc.stdout
+    assert "backend='nccl'" in proc.stdout
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--gpu"], ["--gpu asks for 2 GPUs, but the cluster has none"]),
+        (["--workers", "3"], ["asked for 3 workers x 1 CPU, the cluster fits 2: 1 node x 2 CPUs"]),
+    ],
+)
+def test_preflight_refuses_what_the_cluster_cannot_fit(ray_head, tmp_path, args, fragments):
+    started = time.monotonic()
+    proc = raytrain("run", *args, "--storage-path", str(tmp_path), env=ray_head.env, timeout=120)
+    assert_refused(proc, *fragments, within_s=60, started=started)
+
+
+@pytest.mark.e2e
+def test_wrong_token_is_refused(ray_head, tmp_path):
+    wrong = tmp_path / "token"
+    wrong.write_text("0" * 64)
+    env = {**ray_head.env, "RAY_AUTH_TOKEN_PATH": str(wrong)}
+    started = time.monotonic()
+    proc = raytrain("run", "--storage-path", str(tmp_path), env=env, timeout=120)
+    assert_refused(proc, "refused our auth token", "RAY_AUTH_TOKEN_PATH", within_s=60, started=started)

@@ -1,0 +1,80 @@
+"""TrainConfig: defaults, validation at the edge, and the defaults < file < flags order."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from raytrain_ddp.config import ConfigError, TrainConfig, field_docs, load_file, resolve
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = TrainConfig()
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.resolved_backend == "gloo"
+    assert TrainConfig(gpu=True).resolved_backend == "nccl"
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs()
+    assert {f.name for f in fields(TrainConfig)} == set(docs)
+    assert all(docs.values())
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ({"workers": 0}, "--workers must be at least 1"),
+        ({"batch_size": 0}, "--batch-size must be at least 1"),
+        ({"optimizer": "adam"}, "--optimizer must be one of sgd, adamw"),
+        ({"backend": "nccl"}, "--backend nccl needs --gpu"),
+        ({"lr": float("nan")}, "--lr must be a positive number"),
+        ({"workers": "2"}, "--workers must be int"),
+        ({"workers": True}, "--workers must be int"),
+        ({"gpu": "yes"}, "--gpu must be bool"),
+        ({"name": "a/b"}, "--name must be a plain directory name"),
+        ({"val_fraction": 1.5}, "--val-fraction must be between 0 and 1"),
+    ],
+)
+def test_bad_values_name_the_flag(bad, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        TrainConfig.from_dict(bad)
+
+
+def test_int_is_accepted_where_a_float_belongs():
+    cfg = TrainConfig(lr=1)
+    assert cfg.lr == 1.0 and type(cfg.lr) is float
+
+
+def test_unknown_keys_are_an_error():
+    with pytest.raises(ConfigError, match="unknown config key.*wrokers"):
+        TrainConfig.from_dict({"wrokers": 2})
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".yaml", "workers: 4\nlr: 0.2\nbatch-size: 16\n"),
+    (".toml", "workers = 4\nlr = 0.2\nbatch-size = 16\n"),
+])
+def test_file_then_flags(tmp_path, suffix, text):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    assert load_file(path) == {"workers": 4, "lr": 0.2, "batch_size": 16}
+    # Flags the user gave win over the file; flags left out (None) do not erase it.
+    cfg = resolve(path, {"workers": 8, "lr": None})
+    assert (cfg.workers, cfg.lr, cfg.batch_size) == (8, 0.2, 16)
+
+
+def test_bad_files(tmp_path):
+    (tmp_path / "c.json").write_text("{}")
+    with pytest.raises(ConfigError, match="must end in .yaml, .yml or .toml"):
+        load_file(tmp_path / "c.json")
+    (tmp_path / "bad.toml").write_text("workers = ")
+    with pytest.raises(ConfigError, match="does not parse"):
+        load_file(tmp_path / "bad.toml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_file(tmp_path / "list.yaml")
+    (tmp_path / "types.yaml").write_text("epochs: three\n")
+    with pytest.raises(ConfigError, match="--epochs must be int"):
+        resolve(tmp_path / "types.yaml", {})

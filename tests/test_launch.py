@@ -1,0 +1,35 @@
+"""The preflight's arithmetic: can this many workers be placed on these nodes?"""
+
+from __future__ import annotations
+
+from raytrain_ddp.launch import placement_problem
+
+
+def test_fits():
+    nodes = [{"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2}]
+    assert placement_problem(4, 1, True, nodes) is None
+    assert placement_problem(8, 1, False, nodes) is None
+    assert placement_problem(2, 4, False, nodes) is None
+
+
+def test_too_few_gpus_names_the_layout():
+    nodes = [{"CPU": 32, "GPU": 4}, {"CPU": 32, "GPU": 4}]
+    assert placement_problem(16, 1, True, nodes) == (
+        "asked for 16 GPUs, the cluster has 8: 2 nodes x 4 GPUs; lower --workers or add GPU nodes"
+    )
+
+
+def test_gpu_on_a_cpu_cluster():
+    problem = placement_problem(2, 1, True, [{"CPU": 8}])
+    assert problem.startswith("--gpu asks for 2 GPUs, but the cluster has none") and "drop --gpu" in problem
+
+
+def test_cpus_do_not_split_across_nodes():
+    # 3 CPUs on each of two nodes hold one 2-CPU worker each, not three.
+    problem = placement_problem(3, 2, False, [{"CPU": 3}, {"CPU": 3}])
+    assert problem.startswith("asked for 3 workers x 2 CPUs, the cluster fits 2: 2 nodes x 3 CPUs")
+
+
+def test_uneven_nodes():
+    problem = placement_problem(9, 1, False, [{"CPU": 4}, {"CPU": 2}])
+    assert "4 + 2 CPUs on 2 nodes" in problem
