@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import tempfile
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 
+from raytrain_ddp import launch
 from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
 
 app = typer.Typer(
@@ -35,16 +37,21 @@ FLAG_DECLS: dict[str, list[str]] = {
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
-def train_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def train_options(command: Callable[..., Any] | None = None, *, own_flags: tuple[str, ...] = ()):
     """Give `command(cfg, ...)` one option per TrainConfig field, plus --config.
 
     Options left out arrive as None, so config.resolve lets the flags the user typed override the
-    config file, and the file override the defaults.
+    config file, and the file override the defaults. Fields in `own_flags` are the command's own
+    (e.g. scale's --workers 1,2,4).
     """
+    if command is None:
+        return functools.partial(train_options, own_flags=own_flags)
     own = list(inspect.signature(command).parameters.values())[1:]  # all but cfg
     docs = field_docs()
     generated = []
     for f in fields(TrainConfig):
+        if f.name in own_flags:
+            continue
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
         default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
         decls = FLAG_DECLS.get(f.name) or [
@@ -64,7 +71,7 @@ def train_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        flags = {f.name: kwargs.pop(f.name) for f in fields(TrainConfig)}
+        flags = {f.name: kwargs.pop(f.name) for f in fields(TrainConfig) if f.name not in own_flags}
         cfg = resolve(kwargs.pop("config"), flags)
         return command(cfg, **kwargs)
 
@@ -90,8 +97,6 @@ def run(
     debug: bool = DEBUG,
 ) -> None:
     """Train a model with DDP on Ray Train: a local Ray, $RAY_ADDRESS, or --address."""
-    from raytrain_ddp import launch
-
     if dry_run:
         launch.dry_run(cfg)
         return
@@ -101,6 +106,55 @@ def run(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
         f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
     )
+
+
+@app.command()
+@train_options(own_flags=("workers",))
+def scale(
+    cfg: TrainConfig,
+    workers: str = typer.Option("1,2", "--workers", "-w", help="Worker counts to run, e.g. 1,2,4,8."),
+    debug: bool = DEBUG,
+) -> None:
+    """Run the same job at each size; write the scaling table (CSV, Markdown) and plot (PNG)."""
+    from raytrain_ddp.scale import parse_sizes, scale as run_scale
+
+    run_scale(cfg, parse_sizes(workers))
+
+
+@app.command()
+def verify(
+    run_dir: Path = typer.Argument(..., help="A run directory: <storage-path>/<name>."),
+    debug: bool = DEBUG,
+) -> None:
+    """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
+    from raytrain_ddp.verify import verify as verify_run
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
+    if not verify_run(run_dir):
+        raise typer.Exit(1)
+
+
+@app.command()
+def check(
+    workers: int = typer.Option(2, "--workers", "-w", help="Ranks to test."),
+    gpu: bool = typer.Option(False, "--gpu/--cpu", help="Test GPUs with NCCL (--gpu) or CPUs with gloo."),
+    cpus_per_worker: int = typer.Option(1, "--cpus-per-worker", help="CPUs per rank."),
+    placement: str = typer.Option("spread", "--placement", help="pack or spread (spread tests the network)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address; default $RAY_ADDRESS or a local Ray."),
+    iters: int = typer.Option(10, "--iters", help="Timed all-reduces per message size."),
+    verbose: bool = typer.Option(False, "--verbose/--quiet", help="Show Ray's own logs."),
+    debug: bool = DEBUG,
+) -> None:
+    """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
+    from raytrain_ddp.doctor import check as run_check
+
+    cfg = TrainConfig(
+        workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
+        address=address, verbose=verbose, name="raytrain-check", storage_path=tempfile.gettempdir(),
+    )
+    if not run_check(cfg, iters):
+        raise typer.Exit(1)
 
 
 def one_line(err: BaseException) -> str:
@@ -126,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    except launch.Stopped as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(launch.EXIT_STOPPED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)

@@ -93,6 +93,17 @@ class TrainConfig:
     seed: int = 0
     """Seed for the model, the synthetic data and the sampler's shuffle."""
 
+    # --- never lose work ---
+    checkpoint_every_steps: int = 0
+    """Also checkpoint every N training steps within an epoch (0 = at the end of each epoch only)."""
+    keep_checkpoints: int = 2
+    """How many of the latest checkpoints to keep."""
+    resume: bool = True
+    """Resume from the latest checkpoint of --storage-path/--name if there is one (--no-resume: start
+    fresh, moving the old run directory aside)."""
+    max_failures: int = 0
+    """Worker-group failures (a dead node, a killed worker) to recover from the latest checkpoint."""
+
     # --- run identity and outputs ---
     storage_path: str = "./runs"
     """Where run directories go; must be shared by all nodes on a multi-node cluster."""
@@ -110,7 +121,9 @@ class TrainConfig:
                 raise ConfigError(f"{_flag(key)} must be at least 1 (got {getattr(self, key)})")
         if self.num_classes < 2:
             raise ConfigError(f"--num-classes must be at least 2 (got {self.num_classes})")
-        for key in ("train_samples", "val_samples", "data_workers"):
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"--keep-checkpoints must be at least 1 (got {self.keep_checkpoints})")
+        for key in ("train_samples", "val_samples", "data_workers", "checkpoint_every_steps", "max_failures"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{_flag(key)} must be 0 or more (got {getattr(self, key)})")
         if not (self.lr > 0 and math.isfinite(self.lr)):

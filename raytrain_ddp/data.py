@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from torchvision.transforms import v2
 
 from raytrain_ddp import formats
@@ -51,8 +52,9 @@ class Loaders(NamedTuple):
 
     train: Iterable
     val: Iterable
-    set_epoch: Callable[[int], None]
-    """Call before each epoch: reshuffles the training shards, the same way on every rank."""
+    set_epoch: Callable[..., None]
+    """set_epoch(epoch, skip=0), before each epoch: reshuffles the training shards, the same way on
+    every rank, and starts the epoch after its first `skip` batches (resuming mid-epoch)."""
     steps_per_epoch: int
     in_channels: int
     skipped: Callable[[], int]
@@ -386,15 +388,37 @@ class Batches:
 
 
 class RayShard:
-    """This rank's split of a Ray Dataset: each pass over it is one epoch, normalised on arrival."""
+    """This rank's split of a Ray Dataset: each pass over it is one epoch, normalised on arrival.
+
+    `limit` ends a pass after that many batches: a resumed epoch takes the steps it had left. Ray
+    Data's order is not reproducible, so those are the right number of batches, not the same rows.
+    """
 
     def __init__(self, shard: Any, batch_size: int, shuffle_buffer: int | None, normalize: v2.Transform):
         self.shard, self.batch_size, self.shuffle_buffer, self.normalize = shard, batch_size, shuffle_buffer, normalize
+        self.limit: int | None = None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = self.shard.iter_torch_batches(batch_size=self.batch_size, local_shuffle_buffer_size=self.shuffle_buffer)
-        for batch in batches:
+        for batch in itertools.islice(batches, self.limit):
             yield self.normalize(batch["image"]), batch["label"]
+
+
+class EpochSampler(Sampler[int]):
+    """A DistributedSampler whose epoch can start after its first `skip` batches."""
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int):
+        self.sampler, self.batch_size, self.start = sampler, batch_size, 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: a resumed epoch repeats it
+        self.start = skip * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.start, 0)
 
 
 def make_loaders(cfg: TrainConfig, rank: int, world_size: int, cuda: bool) -> Loaders:
@@ -409,7 +433,8 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int, cuda: bool) -> Lo
     if cfg.loader == "ray":
         return ray_loaders(cfg, world_size)
     data = DATASETS[cfg.dataset](cfg)
-    sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
+    shards = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
+    sampler = EpochSampler(shards, cfg.batch_size)
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=cfg.data_workers,
@@ -420,15 +445,15 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int, cuda: bool) -> Lo
     val = DataLoader(Subset(data.val, range(rank, len(data.val), world_size)), shuffle=False, **common)
     skips = SkipCount()
 
-    def set_epoch(epoch: int) -> None:
-        sampler.set_epoch(epoch)
+    def set_epoch(epoch: int, skip: int = 0) -> None:
+        sampler.set_epoch(epoch, skip)
         skips.count = 0
 
     return Loaders(
         Batches(train, skips, train=True),
         Batches(val, skips, train=False),
         set_epoch,
-        len(train),
+        math.ceil(len(shards) / cfg.batch_size),
         data.in_channels,
         lambda: skips.count,
     )
@@ -443,19 +468,19 @@ def ray_loaders(cfg: TrainConfig, world_size: int) -> Loaders:
     normalize = normalization(recipe)
     skips = SkipCount()
 
-    def batches(name: str, train: bool) -> Batches:
-        shard = ray.train.get_dataset_shard(name)  # a barrier: every rank asks for the same names
-        buffer = SHUFFLE_BUFFER_BATCHES * cfg.batch_size if train else None
-        return Batches(RayShard(shard, cfg.batch_size, buffer, normalize), skips, train)
+    # get_dataset_shard is a barrier: every rank asks for the same names in the same order.
+    buffer = SHUFFLE_BUFFER_BATCHES * cfg.batch_size
+    train = RayShard(ray.train.get_dataset_shard("train"), cfg.batch_size, buffer, normalize)
+    val = RayShard(ray.train.get_dataset_shard("val"), cfg.batch_size, None, normalize)
+    steps = math.ceil(ray_rows(cfg, manifest, "train") // world_size / cfg.batch_size)
 
-    train, val = batches("train", True), batches("val", False)
-    rows_per_rank = ray_rows(cfg, manifest, "train") // world_size
-
-    def set_epoch(epoch: int) -> None:
-        skips.count = 0  # Ray Data reshuffles file order on every pass by itself
+    def set_epoch(epoch: int, skip: int = 0) -> None:
+        train.limit = steps - skip if skip else None  # Ray Data reshuffles the file order by itself
+        skips.count = 0
 
     return Loaders(
-        train, val, set_epoch, math.ceil(rows_per_rank / cfg.batch_size), int(manifest["channels"]), lambda: skips.count
+        Batches(train, skips, train=True), Batches(val, skips, train=False), set_epoch, steps,
+        int(manifest["channels"]), lambda: skips.count,
     )
 
 

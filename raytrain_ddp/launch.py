@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -34,7 +35,7 @@ def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
 
 def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
     """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     resources = {"CPU": cfg.cpus_per_worker}
@@ -49,11 +50,24 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
     run = RunConfig(
         name=cfg.name,
         storage_path=cfg.storage_path,
-        # OpenMP in each worker must not spin up a thread per core of the whole node.
-        worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.cpus_per_worker)}},
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        worker_runtime_env={"env_vars": worker_env(cfg)},
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, TorchConfig(backend=cfg.resolved_backend)
+
+
+PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+"""Env-var prefixes the driver hands to every worker: Ray workers inherit the raylet's environment,
+not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
+
+
+def worker_env(cfg: TrainConfig) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
+    # OpenMP in each worker must not spin up a thread per core of the whole node.
+    env["OMP_NUM_THREADS"] = str(cfg.cpus_per_worker)
+    return env
 
 
 def dry_run(cfg: TrainConfig) -> None:
@@ -72,6 +86,8 @@ def ray_address(cfg: TrainConfig) -> str | None:
 def connect(cfg: TrainConfig) -> None:
     import ray
 
+    if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
+        return
     address = ray_address(cfg)
     quiet = dict(
         logging_level=logging.INFO if cfg.verbose else logging.WARNING,
@@ -80,6 +96,8 @@ def connect(cfg: TrainConfig) -> None:
     if address is None:
         # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
         # machine last started, which may be another user's or another job's.
+        if not cfg.verbose:  # Ray warns at every local start that it turned token auth on: good news
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         ray.init(
             address="local",
             include_dashboard=False,
@@ -209,6 +227,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
     data.validate(cfg)
     cfg, run_dir = resolve_run(cfg)
+    if not cfg.resume:
+        start_fresh(run_dir)
     check_writable(run_dir)
     connect(cfg)
     preflight(cfg)
@@ -232,6 +252,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")
     watcher = Watcher(sink, display, run_dir)
     watcher.start()
+    stop_on_signals(sink, display)
     try:
         trainer.fit()
     finally:
@@ -239,6 +260,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         display.close()
 
     info, rows = watcher.info, watcher.rows
+    if info.get("stopped_at"):
+        epoch, step = info["stopped_at"]
+        raise Stopped(
+            f"stopped by a signal with a checkpoint at epoch {epoch} step {step}; run the same "
+            f"command again (same --storage-path and --name {cfg.name}) to resume"
+        )
     if len(rows) != cfg.epochs:
         raise RuntimeError(f"training ended after {len(rows)} of {cfg.epochs} epochs")
     summary = {
@@ -254,6 +281,33 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     }
     write_json(run_dir / "summary.json", summary)
     return summary
+
+
+class Stopped(Exception):
+    """The run checkpointed and stopped early because the driver got SIGUSR1 or SIGTERM."""
+
+
+EXIT_STOPPED = 75
+"""EX_TEMPFAIL: stopped after a checkpoint; rerunning the same command resumes (Slurm requeues)."""
+
+
+def start_fresh(run_dir: Path) -> None:
+    """--no-resume: move an old run aside rather than delete it, so nothing is lost."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        print(f"--no-resume: moved the previous run to {aside}")
+
+
+def stop_on_signals(sink: Any, display: Display) -> None:
+    """Slurm sends SIGUSR1 (--signal=B:USR1@grace) or SIGTERM before it kills a job."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        display.print(f"got {signal.Signals(signum).name}: checkpointing at the next agreed step, then stopping")
+        sink.request_stop.remote()
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 class Watcher(threading.Thread):
@@ -272,6 +326,11 @@ class Watcher(threading.Thread):
         info, step, rows = ray.get(self.sink.poll.remote())
         if rows != self.rows:
             write_csv(self.run_dir / "metrics.csv", rows)
+        if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
+            # Which pid on which host is which rank: for the user (and for tests that kill one).
+            write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
+        if info.get("resumed_at") and not self.info.get("resumed_at"):
+            self.display.print(f"resumed from the checkpoint at epoch {info['resumed_at'][0]} step {info['resumed_at'][1]}")
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
 

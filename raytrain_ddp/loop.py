@@ -1,28 +1,35 @@
 """The worker loop: the one function TorchTrainer runs on every rank.
 
-Read it top to bottom: [1] set up the rank, [2] data, [3] model and optimizer, [4] epochs of
-train + validate + report. Metrics are all-reduced, so every number describes the whole world.
+Read it top to bottom: [1] set up the rank, [2] data, [3] model and optimizer, [4] resume from the
+latest checkpoint, [5] epochs of train + validate + checkpoint. Metrics are all-reduced, so every
+number describes the whole world, not rank 0's shard.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
 from typing import Any
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp import checkpoint
+from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data import make_loaders
 from raytrain_ddp.models import MODELS
 
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""
+CONTROL_EVERY = 20
+"""Every this many steps the ranks agree, in one tiny all-reduce, whether to stop (preemption or a
+non-finite loss). A fixed step count, so every rank checks at the same step."""
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -33,7 +40,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     device = ray.train.torch.get_device()
     cuda = device.type == "cuda"
     if cuda:
@@ -60,6 +67,45 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # Only fp16 needs loss scaling; bf16 has fp32's exponent range.
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    torch.manual_seed(cfg.seed + rank)  # from here on each rank draws its own augmentation
+
+    # [4] Resume from the latest checkpoint: a restarted worker group, or a rerun of the same --name.
+    first_epoch, first_step, rows = 1, 0, []
+    saved_sums, saved_time = None, 0.0
+    restored = checkpoint.load(rank)
+    if restored is not None:
+        state, own = restored
+        try:
+            getattr(model, "module", model).load_state_dict(state["model"])
+        except RuntimeError:
+            raise ConfigError(
+                f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
+                f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
+            ) from None
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        first_epoch, first_step, rows = state["epoch"], state["step"], state["rows"]
+        if state["world_size"] != world_size:
+            first_step = 0  # another world size shards the epoch differently: redo it whole
+        if own is not None:
+            checkpoint.set_rng_states(own["rng"])
+            saved_sums, saved_time = own["sums"].to(device), own["train_time"]
+
+    def save(epoch: int, step: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
+        shared = {}
+        if rank == 0:
+            shared = {
+                "model": checkpoint.model_state(model),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict(),
+                "epoch": epoch,  # the epoch to continue with ...
+                "step": step,  # ... after this many of its batches
+                "world_size": world_size,
+                "rows": rows,
+            }
+        checkpoint.save(metrics, rank, shared, {"sums": sums.cpu(), "train_time": train_time})
 
     if rank == 0:
         sink.start.remote(
@@ -67,15 +113,23 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             ranks=ranks,
             steps_per_epoch=loaders.steps_per_epoch,
+            resumed_at=[first_epoch, first_step] if restored is not None else None,
         )
+        for row in rows:
+            sink.epoch.remote(row)
 
-    # [4] Epochs.
-    for epoch in range(1, cfg.epochs + 1):
-        loaders.set_epoch(epoch)  # a fresh shuffle per epoch, the same on every rank
+    # [5] Epochs.
+    for epoch in range(first_epoch, cfg.epochs + 1):
+        skip = first_step if epoch == first_epoch else 0
+        loaders.set_epoch(epoch, skip)  # this epoch's shuffle, the same on every rank, minus done batches
         model.train()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x n, correct, n
-        start = last_update = time.perf_counter()
-        for step, (images, labels) in enumerate(loaders.train, start=1):
+        # (loss x n, correct, n) accumulate on the device: no host sync per step.
+        sums = saved_sums if skip else torch.zeros(3, dtype=torch.float64, device=device)
+        train_time, data_wait = (saved_time if skip else 0.0), 0.0
+        bad_step = torch.zeros((), dtype=torch.float64, device=device)
+        tick = last_update = step_end = time.perf_counter()
+        for step, (images, labels) in enumerate(loaders.train, start=skip + 1):
+            data_wait += time.perf_counter() - step_end
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             if cuda:
@@ -87,40 +141,88 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            # Accumulate on the device: no host sync per step.
-            sums += torch.stack(
-                [loss.detach() * len(labels), (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)]
-            ).double()
+            n = torch.tensor(len(labels), device=device)
+            sums += torch.stack([loss.detach() * n, (logits.argmax(1) == labels).sum(), n]).double()
+            first_bad = (bad_step == 0) & ~torch.isfinite(loss.detach())
+            bad_step = torch.where(first_bad, torch.tensor(float(step), device=device), bad_step)
+
             if rank == 0 and time.perf_counter() - last_update >= PROGRESS_EVERY_S:
                 last_update = time.perf_counter()
-                elapsed = last_update - start
+                rate = (sums[2].item() - (saved_sums[2].item() if skip else 0)) * world_size
                 sink.step.remote(
-                    epoch=epoch,
-                    step=step,
-                    loss=loss.item(),
-                    samples_per_s=sums[2].item() * world_size / elapsed,
+                    epoch=epoch, step=step, loss=loss.item(), samples_per_s=rate / (last_update - tick)
                 )
-        train_time = time.perf_counter() - start
+            due = cfg.checkpoint_every_steps > 0 and step % cfg.checkpoint_every_steps == 0
+            if step % CONTROL_EVERY == 0 or due:
+                stop = agree_to_stop(rank, sink, bad_step, epoch)
+                if due or stop:
+                    train_time += time.perf_counter() - tick
+                    save(epoch, step, sums, train_time, {"epoch": epoch, "step": step})
+                    tick = time.perf_counter()
+                if stop:
+                    if rank == 0:
+                        sink.stopped.remote(epoch=epoch, step=step)
+                    return
+            step_end = time.perf_counter()
+        train_time += time.perf_counter() - tick
+        stop = agree_to_stop(rank, sink, bad_step, epoch)
         train_loss, train_acc, train_n = all_reduce_means(sums)
 
         val_loss, val_acc, _ = evaluate(model, loaders.val, device, amp_dtype)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
-
-        row = {
-            "epoch": epoch,
-            "train_loss": train_loss,
-            "train_acc": train_acc,
-            "val_loss": val_loss,
-            "val_acc": val_acc,
-            "lr": lr,
-            "epoch_time_s": time.perf_counter() - start,
-            "throughput": train_n / train_time,
-            "world_size": world_size,
-            "backend": dist.get_backend() if dist.is_initialized() else "none",
-        }
+        rss_mib, gpu_mib, wait_frac = epoch_resources(cuda, data_wait, train_time, world_size, device)
+        rows.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "train_acc": train_acc,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "lr": lr,
+                "epoch_time_s": train_time,
+                "throughput": train_n / train_time,
+                "samples": int(train_n),
+                "world_size": world_size,
+                "backend": dist.get_backend() if dist.is_initialized() else "none",
+                "gpu_mem_peak_mib": gpu_mib,
+                "cpu_rss_mib": rss_mib,
+                "data_wait_frac": wait_frac,
+            }
+        )
         if rank == 0:
-            sink.epoch.remote(row)
+            sink.epoch.remote(rows[-1])
+        save(epoch + 1, 0, sums, 0.0, rows[-1])
+        if stop and epoch < cfg.epochs:
+            if rank == 0:
+                sink.stopped.remote(epoch=epoch + 1, step=0)
+            return
+
+
+def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> bool:
+    """All ranks learn, at the same step, whether the driver asked to stop; a NaN loss raises."""
+    asked = rank == 0 and ray.get(sink.stop_requested.remote())
+    flags = torch.stack([torch.tensor(float(asked), device=bad_step.device), bad_step.double()])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[1] > 0:
+        raise FloatingPointError(
+            f"loss became NaN or inf at epoch {epoch} step {int(flags[1])}; nothing was saved after "
+            "it, the last good checkpoint is kept: lower --lr, or try --no-amp"
+        )
+    return bool(flags[0])
+
+
+def epoch_resources(cuda: bool, data_wait: float, train_time: float, world_size: int, device) -> tuple:
+    """(peak RSS MiB, peak GPU MiB or None) as the max over ranks, and the mean data-wait share."""
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0
+    peaks = torch.tensor([rss_mib, gpu_mib], dtype=torch.float64, device=device)
+    wait = torch.tensor([data_wait / max(train_time, 1e-9)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        dist.all_reduce(wait)
+    return round(peaks[0].item(), 1), (round(peaks[1].item(), 1) if cuda else None), wait.item() / world_size
 
 
 @torch.no_grad()
@@ -133,9 +235,8 @@ def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        sums += torch.stack(
-            [loss, (logits.argmax(1) == labels).sum(), torch.tensor(len(labels), device=device)]
-        ).double()
+        n = torch.tensor(len(labels), device=device)
+        sums += torch.stack([loss, (logits.argmax(1) == labels).sum(), n]).double()
     return all_reduce_means(sums)
 
 

@@ -24,16 +24,24 @@ CSV_COLUMNS = [
     "lr",
     "epoch_time_s",
     "throughput",
+    "samples",
     "world_size",
     "backend",
+    "gpu_mem_peak_mib",
+    "cpu_rss_mib",
+    "data_wait_frac",
 ]
 
 
 @ray.remote(num_cpus=0)
 class MetricsSink:
-    """Holds what rank 0 last said. Workers only call it fire-and-forget; they never wait on it."""
+    """Holds what rank 0 last said, and whether the driver asks to stop.
+
+    Rank 0 calls it fire-and-forget, except for one `stop_requested` every CONTROL_EVERY steps.
+    """
 
     def __init__(self) -> None:
+        self.stop_asked = False
         self.run: dict[str, Any] = {}
         self.last_step: dict[str, Any] | None = None
         self.rows: dict[int, dict[str, Any]] = {}
@@ -48,6 +56,16 @@ class MetricsSink:
         # Keyed by epoch: a worker group restarted after a failure reports the epoch again.
         self.rows[row["epoch"]] = row
         self.last_step = None
+
+    def request_stop(self) -> None:
+        """The driver got SIGUSR1/SIGTERM: the ranks checkpoint at their next agreed step and stop."""
+        self.stop_asked = True
+
+    def stop_requested(self) -> bool:
+        return self.stop_asked
+
+    def stopped(self, epoch: int, step: int) -> None:
+        self.run["stopped_at"] = [epoch, step]
 
     def poll(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
         return self.run, self.last_step, [self.rows[e] for e in sorted(self.rows)]

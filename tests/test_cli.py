@@ -47,6 +47,15 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert len(summary["node_ips"]) == 2 and len(set(summary["node_ips"])) == 1  # one machine
     assert "epoch 1/1" in proc.stdout  # plain progress lines for .out files
 
+    # `raytrain verify` passes the finished run and fails it once truncated.
+    run_dir = tmp_path / "from-flag"
+    good = raytrain("verify", str(run_dir))
+    assert good.returncode == 0 and good.stdout.count("PASS") == 5, good.stdout
+    lines = (run_dir / "metrics.csv").read_text().splitlines()
+    (run_dir / "metrics.csv").write_text(lines[0] + "\n")
+    bad = raytrain("verify", str(run_dir))
+    assert bad.returncode == 1 and "FAIL  all epochs completed: asked for 1 epochs" in bad.stdout
+
 
 def assert_refused(proc, *fragments, within_s=None, started=None):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)

@@ -1,0 +1,135 @@
+"""`raytrain check`: is this cluster fit to train? Nodes, a collective correctness test, bandwidth.
+
+It replaces the separate all-reduce/broadcast test jobs users run by hand: the same Ray Train worker
+group as a real run (same placement, same backend, same env), so what passes here trains.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
+"""All-reduce message sizes in bytes for the bandwidth table: latency-bound to bandwidth-bound."""
+
+
+def collectives_check(loop_config: dict[str, Any]) -> None:
+    """Runs on every rank: correctness of all-reduce and broadcast, then timing (rank 0 reports)."""
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    results, sizes, iters = loop_config["results"], loop_config["sizes"], loop_config["iters"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    report = {"rank": rank, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address()}
+    try:
+        if not dist.is_initialized():
+            raise RuntimeError("no process group: Ray Train did not set up torch.distributed")
+        # Each rank adds rank + 1: the sum is known, and a dropped or doubled rank shows.
+        x = torch.full((1024,), float(rank + 1), device=device)
+        dist.all_reduce(x)
+        expected = world * (world + 1) / 2
+        if not torch.all(x == expected):
+            raise RuntimeError(f"all-reduce gave {x[0].item()}, expected {expected}")
+        y = torch.arange(1024, dtype=torch.float32, device=device) if rank == 0 else torch.zeros(1024, device=device)
+        dist.broadcast(y, src=0)
+        if not torch.equal(y.cpu(), torch.arange(1024, dtype=torch.float32)):
+            raise RuntimeError("broadcast from rank 0 arrived corrupted")
+        timings = []
+        for size in sizes:
+            buf = torch.ones(size // 4, device=device)
+            dist.all_reduce(buf)  # warm-up: connection setup is not bandwidth
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf)
+            sync(device)
+            timings.append((size, (time.perf_counter() - start) / iters))
+        report.update(ok=True, backend=dist.get_backend(), timings=timings)
+    except Exception as err:  # report which rank and node failed, then fail the group
+        report.update(ok=False, error=f"{type(err).__name__}: {err}")
+        results.put(report)
+        raise
+    results.put(report)
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bus_bandwidth_gbps(size: int, seconds: float, world: int) -> float:
+    """NCCL-tests' bus bandwidth: a ring all-reduce moves 2(n-1)/n of the buffer per rank."""
+    return size * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else 0.0
+
+
+def nodes_table() -> list[str]:
+    import ray
+
+    lines = [f"{'node':<24} {'alive':<6} {'CPUs':>5} {'GPUs':>5}"]
+    for node in sorted(ray.nodes(), key=lambda n: n["NodeManagerAddress"]):
+        res = node["Resources"]
+        lines.append(
+            f"{node.get('NodeName') or node['NodeManagerAddress']:<24} {str(node['Alive']):<6} "
+            f"{int(res.get('CPU', 0)):>5} {int(res.get('GPU', 0)):>5}"
+        )
+    return lines
+
+
+def auth_enabled() -> bool:
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # an older Ray without token auth
+        return False
+    return is_token_auth_enabled()
+
+
+def check(cfg: Any, iters: int) -> bool:
+    """Print the cluster and the collective results; True when every rank passed."""
+    import ray
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    from raytrain_ddp.launch import connect, preflight, trainer_configs
+
+    connect(cfg)
+    print(f"Ray {ray.__version__}, token auth {'on' if auth_enabled() else 'OFF'}")
+    print("\n".join(nodes_table()))
+    preflight(cfg)
+    scaling, run_config, torch_config = trainer_configs(cfg)
+    results = Queue(actor_options={"num_cpus": 0})
+    trainer = TorchTrainer(
+        collectives_check,
+        train_loop_config={"results": results, "sizes": SIZES, "iters": iters},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=torch_config,
+    )
+    error = None
+    try:
+        trainer.fit()
+    except Exception as err:  # the per-rank reports below say which rank and node
+        error = err
+    reports = sorted((results.get_nowait() for _ in range(results.qsize())), key=lambda r: r["rank"])
+    failed = [r for r in reports if not r["ok"]]
+    for r in failed:
+        print(f"FAIL  rank {r['rank']} on {r['host']} ({r['ip']}): {r['error']}")
+    if error is not None and not failed:  # it failed before any rank could run the check
+        from raytrain_ddp.cli import one_line
+
+        print(f"FAIL  starting {cfg.workers} ranks and their {cfg.resolved_backend} process group: {one_line(error)}")
+    if error is not None or failed or len(reports) != cfg.workers:
+        return False
+    hosts = sorted({r["host"] for r in reports})
+    print(f"PASS  all-reduce and broadcast on {cfg.workers} ranks ({reports[0]['backend']}) over {', '.join(hosts)}")
+    print(f"{'size':>10} {'latency us':>12} {'bus GB/s':>10}")
+    for size, seconds in reports[0]["timings"]:
+        print(f"{size:>10} {seconds * 1e6:>12.1f} {bus_bandwidth_gbps(size, seconds, cfg.workers):>10.3f}")
+    return True
