@@ -1,0 +1,285 @@
+#!/usr/bin/env bash
+# A real multi-node Slurm cluster on this one machine, for tests and for trying
+# slurm/ray_cluster.sbatch without a cluster.
+#
+#   tests/slurm/testbed.sh up       # start (idempotent); prints `export SLURM_CONF=...`
+#   tests/slurm/testbed.sh status   # nodes, daemons, queue
+#   tests/slurm/testbed.sh down     # stop daemons, delete namespaces (idempotent)
+#
+# One slurmctld runs on the host. Each node nI runs its own slurmd inside a
+# network namespace (IP SUBNET.(10+I) on bridge BRIDGE), a UTS namespace
+# (hostname nI) and a mount namespace with a private /etc/hosts, /etc/resolv.conf
+# and /tmp. The private /tmp makes the nodes behave like real ones: node-local
+# scratch, so two nodes never share a Ray temp dir by accident. Everything else
+# (the repository, the venv, LAB) is shared, like a cluster's shared filesystem.
+#
+# Needs root, iproute2, util-linux (nsenter, unshare) and Debian's Slurm:
+#   apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
+# Traffic only flows between the host's bridge address and the namespaces; the
+# namespaces' default route exists so "which IP am I" lookups work, and with
+# ip_forward off nothing leaves the bridge.
+set -euo pipefail
+
+# ---- knobs (env vars; defaults shown) ---------------------------------------
+LAB=${SLURM_LAB:-/var/tmp/rt-slurm-lab}      # state, logs, per-node /tmp; outside /tmp so nodes see it
+NODES=${SLURM_LAB_NODES:-2}                  # number of nodes n1..nN
+CPUS=${SLURM_LAB_CPUS:-2}                    # Slurm CPUs per node (declared; need not match cores)
+MEM_MB=${SLURM_LAB_MEM_MB:-2000}             # Slurm RealMemory per node
+SUBNET=${SLURM_LAB_SUBNET:-192.168.77}       # /24: host .1, node I at .(10+I)
+BRIDGE=${SLURM_LAB_BRIDGE:-slbr0}
+CTLD_PORT=${SLURM_LAB_CTLD_PORT:-6817}
+SLURMD_PORT=${SLURM_LAB_SLURMD_PORT:-6818}
+UP_TIMEOUT=${SLURM_LAB_UP_TIMEOUT:-60}       # seconds to wait for all nodes idle
+
+CONF="$LAB/slurm.conf"
+NS_PREFIX=sl-                                # netns names: sl-n1, sl-n2, ...
+
+die() { echo "testbed: $*" >&2; exit 1; }
+log() { echo "testbed: $*" >&2; }
+
+node_ip() { echo "$SUBNET.$((10 + $1))"; }
+
+# ---- preflight ---------------------------------------------------------------
+preflight() {
+    [[ $(id -u) -eq 0 ]] || die "must run as root (network namespaces, slurmd)"
+    local missing=() bin
+    for bin in ip nsenter unshare slurmctld slurmd sinfo munged mungekey; do
+        command -v "$bin" >/dev/null || missing+=("$bin")
+    done
+    ((${#missing[@]} == 0)) || die "missing ${missing[*]}; install with:
+  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge iproute2 util-linux"
+}
+
+# ---- munge: Slurm's authentication between its daemons and clients ------------
+start_munge() {
+    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+        return 0                             # a working munged already serves us
+    fi
+    if [[ ! -s /etc/munge/munge.key ]]; then
+        mungekey --create --keyfile=/etc/munge/munge.key
+    fi
+    chown munge:munge /etc/munge/munge.key
+    chmod 0400 /etc/munge/munge.key
+    mkdir -p /run/munge
+    chown munge:munge /run/munge
+    runuser -u munge -- munged
+    munge -n | unmunge >/dev/null || die "munged started but does not work"
+}
+
+# ---- network: one bridge on the host, one namespace + veth per node ----------
+setup_network() {
+    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+        ip link add "$BRIDGE" type bridge
+        ip addr add "$SUBNET.1/24" dev "$BRIDGE"
+    fi
+    ip link set "$BRIDGE" up
+    local i ns veth
+    for ((i = 1; i <= NODES; i++)); do
+        ns="${NS_PREFIX}n$i"
+        veth="slv-n$i"
+        [[ -e /run/netns/$ns ]] || ip netns add "$ns"
+        if ! ip link show "$veth" >/dev/null 2>&1; then
+            ip link add "$veth" type veth peer name eth0 netns "$ns"
+            ip link set "$veth" master "$BRIDGE"
+            ip -n "$ns" addr add "$(node_ip "$i")/24" dev eth0
+        fi
+        ip link set "$veth" up
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" route replace default via "$SUBNET.1"
+    done
+}
+
+teardown_network() {
+    local i
+    for ((i = 1; i <= NODES; i++)); do
+        ip link del "slv-n$i" 2>/dev/null || true      # deletes the peer eth0 too
+        ip netns del "${NS_PREFIX}n$i" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
+}
+
+# ---- files: slurm.conf, per-node hosts/resolv.conf/tmp ------------------------
+write_files() {
+    local host i
+    host=$(hostname -s)
+    mkdir -p "$LAB/state" "$LAB/log" "$LAB/etc"
+    {
+        echo "127.0.0.1 localhost"
+        echo "$SUBNET.1 $host"
+        for ((i = 1; i <= NODES; i++)); do echo "$(node_ip "$i") n$i"; done
+    } >"$LAB/etc/hosts"
+    # Without this every name lookup inside a node waits 10 s for the host's DNS.
+    echo "nameserver 127.0.0.1" >"$LAB/etc/resolv.conf"
+    for ((i = 1; i <= NODES; i++)); do
+        mkdir -p "$LAB/spool/n$i" "$LAB/nodes/n$i/tmp"
+        chmod 1777 "$LAB/nodes/n$i/tmp"
+    done
+    cat >"$CONF" <<EOF
+# Written by tests/slurm/testbed.sh; rewritten on every \`up\`.
+ClusterName=rtlab
+SlurmctldHost=$host($SUBNET.1)
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+MailProg=/bin/true
+StateSaveLocation=$LAB/state
+SlurmdSpoolDir=$LAB/spool/%n
+SlurmctldPidFile=$LAB/slurmctld.pid
+SlurmdPidFile=$LAB/slurmd.%n.pid
+SlurmctldLogFile=$LAB/log/slurmctld.log
+SlurmdLogFile=$LAB/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2
+# Declared CPUs win over the host's real core count.
+SlurmdParameters=config_overrides
+# Fast feedback: short kill grace, frequent scheduling, finished jobs kept 10 min.
+KillWait=10
+MinJobAge=600
+SchedulerParameters=sched_interval=2
+EOF
+    for ((i = 1; i <= NODES; i++)); do
+        echo "NodeName=n$i NodeHostname=n$i NodeAddr=$(node_ip "$i") CPUs=$CPUS Sockets=1" \
+            "CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=$MEM_MB State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+}
+
+# ---- daemons -------------------------------------------------------------------
+pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+start_daemons() {
+    if ! pid_alive "$LAB/slurmctld.pid"; then
+        slurmctld -f "$CONF"
+    fi
+    local i ns
+    for ((i = 1; i <= NODES; i++)); do
+        pid_alive "$LAB/slurmd.n$i.pid" && continue
+        ns="${NS_PREFIX}n$i"
+        # Not `ip netns exec`: it remounts /sys and slurmd then fails with
+        # "No filesystem mounted on /sys/fs/cgroup". nsenter joins only the netns.
+        # shellcheck disable=SC2016  # $1.. expand in the inner sh, on purpose
+        nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c '
+            mount --bind "$1/etc/hosts" /etc/hosts &&
+            mount --bind "$1/etc/resolv.conf" /etc/resolv.conf &&
+            mount --bind "$1/nodes/$2/tmp" /tmp &&
+            hostname "$2" &&
+            exec slurmd -f "$3" -N "$2"' sh "$LAB" "n$i" "$CONF"
+    done
+}
+
+# Stops a daemon by the PID in its pid file, never by name: other Slurm or
+# test daemons may run on this machine.
+stop_pidfile() {
+    local pidfile=$1 pid t
+    [[ -s $pidfile ]] || return 0
+    pid=$(cat "$pidfile")
+    if kill -TERM "$pid" 2>/dev/null; then
+        for ((t = 0; t < 100; t++)); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    rm -f "$pidfile"
+}
+
+wait_idle() {
+    local deadline=$((SECONDS + UP_TIMEOUT)) idle
+    while :; do
+        idle=$(SLURM_CONF=$CONF sinfo -h -t idle -o %D 2>/dev/null | head -n1)
+        [[ ${idle:-0} -eq $NODES ]] && return 0
+        if ((SECONDS >= deadline)); then
+            SLURM_CONF=$CONF sinfo -N >&2 || true
+            die "nodes not idle after ${UP_TIMEOUT}s; see $LAB/log/"
+        fi
+        sleep 0.5
+    done
+}
+
+# ---- commands --------------------------------------------------------------------
+cmd_up() {
+    preflight
+    start_munge
+    setup_network
+    write_files
+    start_daemons
+    # A node left DOWN by an earlier unclean stop stays down otherwise.
+    SLURM_CONF=$CONF scontrol update nodename="n[1-$NODES]" state=resume 2>/dev/null || true
+    wait_idle
+    log "up: $NODES nodes idle (lab $LAB)"
+    echo "export SLURM_CONF=$CONF"
+}
+
+# Everything running inside a node's network namespace belongs to the testbed:
+# slurmd, slurmstepd and the jobs' processes (Ray included).
+stop_namespace_processes() {
+    local sig=$1 i pids
+    for ((i = 1; i <= NODES; i++)); do
+        [[ -e /run/netns/${NS_PREFIX}n$i ]] || continue
+        pids=$(ip netns pids "${NS_PREFIX}n$i" 2>/dev/null || true)
+        [[ -z $pids ]] || xargs -r kill "-$sig" <<<"$pids" 2>/dev/null || true
+    done
+}
+
+namespaces_empty() {
+    local i
+    for ((i = 1; i <= NODES; i++)); do
+        [[ -e /run/netns/${NS_PREFIX}n$i ]] || continue
+        [[ -z $(ip netns pids "${NS_PREFIX}n$i" 2>/dev/null || true) ]] || return 1
+    done
+}
+
+cmd_down() {
+    [[ $(id -u) -eq 0 ]] || die "must run as root"
+    local i t
+    # Cancel jobs first so their cleanup runs; then stop whatever is left.
+    if pid_alive "$LAB/slurmctld.pid"; then
+        SLURM_CONF=$CONF scancel --quiet --user=root 2>/dev/null || true
+        for ((t = 0; t < 60; t++)); do
+            [[ -z $(SLURM_CONF=$CONF squeue -h -o %i 2>/dev/null) ]] && break
+            sleep 0.5
+        done
+    fi
+    for ((i = 1; i <= NODES; i++)); do stop_pidfile "$LAB/slurmd.n$i.pid"; done
+    stop_namespace_processes TERM
+    for ((t = 0; t < 50; t++)); do namespaces_empty && break; sleep 0.2; done
+    stop_namespace_processes KILL
+    stop_pidfile "$LAB/slurmctld.pid"
+    teardown_network
+    # Job state is disposable; keep logs for post-mortems until the next `up`.
+    rm -rf "$LAB/state" "$LAB/spool" "$LAB/nodes"
+    log "down"
+}
+
+cmd_status() {
+    local i
+    echo "export SLURM_CONF=$CONF"
+    pid_alive "$LAB/slurmctld.pid" && echo "slurmctld: running" || echo "slurmctld: stopped"
+    for ((i = 1; i <= NODES; i++)); do
+        pid_alive "$LAB/slurmd.n$i.pid" && echo "slurmd n$i: running" || echo "slurmd n$i: stopped"
+    done
+    if pid_alive "$LAB/slurmctld.pid"; then
+        SLURM_CONF=$CONF sinfo -N
+        SLURM_CONF=$CONF squeue
+    fi
+}
+
+case ${1:-} in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    *) die "usage: $0 up|down|status" ;;
+esac

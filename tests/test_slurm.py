@@ -1,0 +1,447 @@
+"""slurm/ray_cluster.sbatch on a real 2-node Slurm cluster (tests/slurm/testbed.sh).
+
+Every test submits real sbatch jobs: slurmctld on this machine, one slurmd per node in its own
+network namespace (n1 = 192.168.77.11, n2 = 192.168.77.12), each node with a private /tmp.
+
+    sudo .venv/bin/python -m pytest -m slurm tests/test_slurm.py -v
+
+Needs root, iproute2, util-linux and Debian's Slurm packages:
+
+    apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge iproute2 util-linux procps
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTBED = REPO / "tests" / "slurm" / "testbed.sh"
+SBATCH = REPO / "slurm" / "ray_cluster.sbatch"
+RAY_NODE_SH = REPO / "cluster" / "ray_node.sh"
+LAB = Path(os.environ.get("SLURM_LAB", "/var/tmp/rt-slurm-lab"))
+NODES = ["n1", "n2"]
+JOIN_TIMEOUT_S = 120  # the sbatch default bound
+FINAL_STATES = {
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+    "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+}
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and slurmd)"
+    missing = [b for b in ("ip", "nsenter", "unshare", "slurmctld", "slurmd", "sbatch", "munged")
+               if shutil.which(b) is None]
+    if missing:
+        return (f"missing {' '.join(missing)}; apt-get install -y --no-install-recommends "
+                "slurmctld slurmd slurm-client munge iproute2 util-linux")
+    if not Path("/proc/self/ns/net").exists():
+        return "no network namespaces on this kernel"
+    return None
+
+
+SKIP_REASON = _skip_reason()
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))]
+
+
+# ---- the testbed and job helpers ---------------------------------------------------------
+
+
+@dataclass
+class Job:
+    id: str
+    state: str
+    seconds: float
+    """Wall seconds from release (or submission) to a final state, measured here."""
+    log: str
+
+
+@dataclass
+class Lab:
+    env: dict[str, str]
+    work: Path
+    """Shared by all nodes (like a cluster filesystem); pytest's tmp_path is in /tmp, which
+    the nodes don't see."""
+
+    def submit(self, *args: str, sbatch_flags: tuple[str, ...] = (), hold: bool = False,
+               env: dict[str, str] | None = None) -> str:
+        cmd = ["sbatch", "--parsable", f"--chdir={self.work}",
+               f"--output={self.work}/%x-%j.out", *sbatch_flags]
+        if hold:
+            cmd.append("--hold")
+        out = subprocess.run([*cmd, str(SBATCH), *args], env={**self.env, **(env or {})},
+                             check=True, capture_output=True, text=True).stdout
+        return out.strip().split(";")[0]
+
+    def state(self, job_id: str) -> str:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env,
+                             capture_output=True, text=True).stdout
+        m = re.search(r"JobState=(\S+)", out)
+        return m.group(1) if m else "UNKNOWN"
+
+    def log(self, job_id: str) -> str:
+        path = self.work / f"raytrain-{job_id}.out"
+        return path.read_text() if path.exists() else ""
+
+    def wait(self, job_id: str, timeout: float = 240, start: float | None = None) -> Job:
+        # Polling scontrol: `sbatch --wait` returns ~20 s after the job ends.
+        start = time.monotonic() if start is None else start
+        while (state := self.state(job_id)) not in FINAL_STATES:
+            if time.monotonic() - start > timeout:
+                subprocess.run(["scancel", job_id], env=self.env)
+                pytest.fail(f"job {job_id} still {state} after {timeout}s:\n{self.log(job_id)}")
+            time.sleep(0.5)
+        return Job(job_id, state, time.monotonic() - start, self.log(job_id))
+
+    def wait_for_log(self, job_id: str, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(job_id):
+            if time.monotonic() > deadline or self.state(job_id) in FINAL_STATES:
+                pytest.fail(f"job {job_id} never logged {text!r}:\n{self.log(job_id)}")
+            time.sleep(0.5)
+
+    def node_tmp(self, node: str, job_id: str) -> Path:
+        """The job's Ray temp dir on `node`, as seen from the host."""
+        return LAB / "nodes" / node / "tmp" / f"rt-{job_id}"
+
+
+def leftover_ray_processes(job_id: str) -> list[str]:
+    """This job's Ray processes still alive anywhere on the machine.
+
+    gcs_server, raylet and friends carry the temp dir in their command line; every process that
+    `ray start` spawned (agents, workers, orphans included) carries RAYTRAIN_RAY_NODE in its
+    environment.
+    """
+    tmp = f"/tmp/rt-{job_id}"
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited meanwhile
+        if f"{tmp}/" in cmdline or f"RAYTRAIN_RAY_NODE={tmp}".encode() in environ:
+            found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+def assert_cleaned_up(lab: Lab, job_id: str) -> None:
+    # Slurm may report the job done while the last killed processes are still exiting.
+    deadline = time.monotonic() + 10
+    while (left := leftover_ray_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+    for node in NODES:
+        assert not lab.node_tmp(node, job_id).exists(), f"temp dir left on {node}"
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[Lab]:
+    up = subprocess.run([str(TESTBED), "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        pytest.fail(f"testbed up failed:\n{up.stdout}\n{up.stderr}")
+    conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)
+    work = LAB / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_"))},
+        "SLURM_CONF": conf,
+        # The jobs inherit this: `ray` and `raytrain` from the venv running the tests.
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+    }
+    try:
+        yield Lab(env=env, work=work)
+    finally:
+        subprocess.run([str(TESTBED), "down"], capture_output=True, text=True)
+
+
+# ---- driver scripts the jobs run ------------------------------------------------------------
+
+# Connects the way `raytrain` does (RAY_ADDRESS + token env) and reports what happened.
+PROBE_PY = """\
+import sys, time, ray
+start = time.monotonic()
+try:
+    ray.init(logging_level="ERROR")
+    alive = sorted(n["NodeName"] for n in ray.nodes() if n["Alive"])
+    print("CONNECTED", " ".join(alive))
+except Exception as e:
+    print("REFUSED", type(e).__name__)
+print(f"after {time.monotonic() - start:.1f}s")
+"""
+
+# The main job: trains for real while, in parallel, clients without the right token try to get
+# in and `ray_node.sh wait` is asked for a node that does not exist.
+TRAIN_AND_PROBE_SH = """\
+out=$PWD/probes
+mkdir -p "$out"
+probe() { local name=$1; shift; env "$@" timeout 60 python probe.py >"$out/$name" 2>&1; }
+printf '%064d' 0 >wrong_token
+probe with_token &
+probe no_auth_mode -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH &
+probe wrong_token RAY_AUTH_TOKEN_PATH="$PWD/wrong_token" &
+(
+    start=$SECONDS
+    RAY_EXPECTED_NODES="n1 n2 ghost" RAY_JOIN_TIMEOUT=5 {ray_node_sh} wait
+    echo "exit $? after $((SECONDS - start))s"
+) >"$out/wait_ghost" 2>&1 &
+stat -c '%a' "$(dirname "$RAY_AUTH_TOKEN_PATH")" "$RAY_AUTH_TOKEN_PATH" >"$out/modes"
+tr -d '0-9a-f' <"$RAY_AUTH_TOKEN_PATH" | wc -c >"$out/token_non_hex"
+wc -c <"$RAY_AUTH_TOKEN_PATH" >"$out/token_len"
+# The token must not leak into any command line or environment (patterns come from the file,
+# so grep's own argv does not contain it).
+cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' |
+    grep -cFf "$RAY_AUTH_TOKEN_PATH" >"$out/token_leaks"
+ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards"
+raytrain run --workers 2 --cpus-per-worker 2 --epochs 1 --storage-path "$PWD/runs" --name e2e \\
+    --dataset synthetic --model convnet --train-samples 512 --val-samples 128 --batch-size 32
+status=$?
+wait
+exit $status
+"""
+
+# Two of these run at once on the same nodes. Each proves its own cluster spans both nodes,
+# then waits until the other job is up too, then uses its cluster again.
+SHARE_PY = """\
+import json, os, pathlib, socket, sys, time, ray
+import ray.util.scheduling_strategies
+me, other = sys.argv[1], sys.argv[2]
+ray.init(logging_level="ERROR")
+
+@ray.remote(num_cpus=1)
+def where():
+    return socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME")
+
+def run_on_every_node():
+    pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    return sorted(ray.get([where.options(scheduling_strategy=pin(n, soft=False)).remote()
+                           for n in nodes]))
+
+first = run_on_every_node()
+pathlib.Path(f"up-{me}").touch()
+deadline = time.monotonic() + 90
+while not pathlib.Path(f"up-{other}").exists():
+    assert time.monotonic() < deadline, "the other job never came up"
+    time.sleep(0.5)
+second = run_on_every_node()
+nodes = {n["NodeName"]: n["Resources"].get("CPU") for n in ray.nodes() if n["Alive"]}
+
+def listening_ports():
+    # TCP ports that this job's Ray processes listen on, on this node (the head).
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A":  # LISTEN
+                listening[f"socket:[{f[9]}]"] = int(f[1].rsplit(":", 1)[1], 16)
+    tag = ("RAYTRAIN_RAY_NODE=" + os.path.dirname(os.environ["RAY_AUTH_TOKEN_PATH"])).encode()
+    ports = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if tag not in open(f"/proc/{pid}/environ", "rb").read().split(b"\\0"):
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link in listening:
+                    ports.add(listening[link])
+        except OSError:
+            continue
+    return sorted(ports)
+
+pathlib.Path(f"result-{me}.json").write_text(json.dumps({
+    "first": first, "second": second, "nodes": nodes, "ports": listening_ports(),
+    "address": os.environ["RAY_ADDRESS"]}))
+"""
+
+# Records the signals the sbatch forwards, like a trainer that checkpoints on them.
+SIGNALS_SH = """\
+trap 'echo USR1 >>signals' USR1
+trap 'echo TERM >>signals; exit 143' TERM
+echo started >>signals
+while :; do sleep 0.2; done
+"""
+
+
+def write(lab: Lab, name: str, text: str) -> None:
+    (lab.work / name).write_text(text)
+
+
+# ---- the main job ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_job(lab: Lab) -> Job:
+    write(lab, "probe.py", PROBE_PY)
+    write(lab, "train_and_probe.sh", TRAIN_AND_PROBE_SH.replace("{ray_node_sh}", str(RAY_NODE_SH)))
+    job_id = lab.submit("bash", "train_and_probe.sh", sbatch_flags=("--nodes=2",))
+    return lab.wait(job_id, timeout=450)
+
+
+def test_trains_with_one_rank_per_node(lab: Lab, train_job: Job) -> None:
+    assert train_job.state == "COMPLETED", train_job.log
+    summary = json.loads((lab.work / "runs" / "e2e" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert sorted(summary["nodes"]) == NODES
+    assert sorted(summary["node_ips"]) == ["192.168.77.11", "192.168.77.12"]
+    assert (lab.work / "runs" / "e2e" / "metrics.csv").stat().st_size > 0
+    assert "all 2 nodes joined: n1 n2" in train_job.log
+
+
+def test_client_without_token_is_refused(lab: Lab, train_job: Job) -> None:
+    probes = lab.work / "probes"
+    assert (probes / "with_token").read_text().startswith("CONNECTED n1 n2"), train_job.log
+    for name in ("no_auth_mode", "wrong_token"):
+        text = (probes / name).read_text()
+        # Refused by the GCS for the token (not, say, unreachable), within Ray's ~20 s of retries.
+        assert "REFUSED" in text and "CONNECTED" not in text, text
+        assert "InvalidAuthToken" in text, text
+
+
+def test_token_is_fresh_and_private(lab: Lab, train_job: Job) -> None:
+    probes = lab.work / "probes"
+    assert (probes / "modes").read_text().split() == ["700", "600"]
+    assert (probes / "token_len").read_text().strip() == "64"
+    assert (probes / "token_non_hex").read_text().strip() == "0"
+    assert (probes / "token_leaks").read_text().strip() == "0"
+
+
+def test_dashboard_is_minimal_and_local(lab: Lab, train_job: Job) -> None:
+    # --include-dashboard=false still runs a UI-less dashboard process in Ray 2.60; it must
+    # listen on loopback only.
+    for line in (lab.work / "probes" / "dashboards").read_text().splitlines():
+        assert "--host=127.0.0.1" in line and "--minimal" in line, line
+
+
+def test_wait_names_the_node_that_never_joined(lab: Lab, train_job: Job) -> None:
+    text = (lab.work / "probes" / "wait_ghost").read_text()
+    assert "did not join within 5s: ghost" in text, text
+    assert (m := re.search(r"exit (\d+) after (\d+)s", text)) and m.group(1) == "1", text
+    assert int(m.group(2)) < 30, text
+
+
+def test_no_ray_process_or_temp_dir_left(lab: Lab, train_job: Job) -> None:
+    assert_cleaned_up(lab, train_job.id)
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+def test_node_whose_ray_cannot_start_fails_the_job_fast_naming_it(lab: Lab) -> None:
+    # n2's /tmp already holds this job's temp dir, owned by another user: ray_node.sh must
+    # refuse it (someone else's socket dir) and the job must fail at once, naming n2.
+    job_id = lab.submit("true", sbatch_flags=("--nodes=2",), hold=True)
+    obstacle = lab.node_tmp("n2", job_id)
+    obstacle.mkdir(mode=0o700)
+    os.chown(obstacle, 65534, 65534)
+    try:
+        start = time.monotonic()
+        subprocess.run(["scontrol", "release", job_id], env=lab.env, check=True)
+        job = lab.wait(job_id, timeout=JOIN_TIMEOUT_S + 60, start=start)
+    finally:
+        obstacle.rmdir()
+    assert job.state == "FAILED", job.log
+    assert "Ray failed to start on node(s): n2" in job.log, job.log
+    assert "belongs to uid 65534" in job.log, job.log
+    assert job.seconds < JOIN_TIMEOUT_S / 2, job.log
+    assert_cleaned_up(lab, job_id)
+
+
+def test_taken_port_fails_the_job_naming_node_and_port(lab: Lab) -> None:
+    # Another process on n2 listens on the job's node-manager port, with SO_REUSEPORT as Ray's
+    # gRPC servers do: without the bind probe both would bind and share it silently.
+    base = 30000
+    holder = subprocess.Popen(
+        ["nsenter", "--net=/run/netns/sl-n2", sys.executable, "-c",
+         "import socket, time; s = socket.socket(); "
+         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
+         f"s.bind(('', {base + 1})); s.listen(); print('listening', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "listening"
+        job_id = lab.submit("true", sbatch_flags=("--nodes=2",), env={"RAY_PORT_BASE": str(base)})
+        job = lab.wait(job_id, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert job.state == "FAILED", job.log
+    assert f"ports in use on this node: {base + 1}" in job.log, job.log
+    assert "Ray failed to start on node(s): n2" in job.log, job.log
+    assert_cleaned_up(lab, job_id)
+
+
+def test_missing_interface_fails_before_starting_ray(lab: Lab) -> None:
+    job_id = lab.submit("true", sbatch_flags=("--nodes=2",), env={"RAY_NODE_IFACE": "nosuch0"})
+    job = lab.wait(job_id, timeout=60)
+    assert job.state == "FAILED", job.log
+    assert "interface 'nosuch0' has no IPv4 address" in job.log, job.log
+    assert_cleaned_up(lab, job_id)
+
+
+# ---- sharing nodes, signals --------------------------------------------------------------------
+
+
+def test_two_jobs_share_the_nodes_without_clashing(lab: Lab) -> None:
+    write(lab, "share.py", SHARE_PY)
+    # Not exclusive, one CPU per node each: both jobs fit on the two 2-CPU nodes at once.
+    shared = ("--nodes=2", "--oversubscribe", "--cpus-per-task=1")
+    a = lab.submit("python", "share.py", "a", "b", sbatch_flags=shared,
+                   env={"RAY_NODE_IFACE": "eth0"})
+    b = lab.submit("python", "share.py", "b", "a", sbatch_flags=shared)
+    jobs = [lab.wait(a, timeout=240), lab.wait(b, timeout=240)]
+    for job in jobs:
+        assert job.state == "COMPLETED", job.log
+    results = [json.loads((lab.work / f"result-{x}.json").read_text()) for x in ("a", "b")]
+    assert results[0]["address"] != results[1]["address"]
+    # Every port either job's Ray listens on lies in that job's own 200-port block.
+    for job, result in zip(jobs, results):
+        base = int(re.search(r"Ray ports from (\d+)", job.log).group(1))
+        assert result["ports"] and all(base <= p < base + 200 for p in result["ports"]), result
+    assert not set(results[0]["ports"]) & set(results[1]["ports"])
+    for result in results:
+        assert result["nodes"] == {"n1": 1.0, "n2": 1.0}  # the allocation, not the machine
+        for rounds in (result["first"], result["second"]):
+            assert {host for host, _ in rounds} == set(NODES)
+            assert {iface for _, iface in rounds} == {"eth0"}  # NCCL/Gloo follow Ray's NIC
+    assert "(interface eth0)" in jobs[0].log
+    assert "(route to the head)" in jobs[1].log
+    for job in jobs:
+        assert_cleaned_up(lab, job.id)
+
+
+def test_signals_reach_the_command_and_scancel_cleans_up(lab: Lab) -> None:
+    write(lab, "signals.sh", SIGNALS_SH)
+    job_id = lab.submit("bash", "signals.sh", sbatch_flags=("--nodes=2",))
+    lab.wait_for_log(job_id, "running: bash signals.sh")
+    signals = lab.work / "signals"
+    deadline = time.monotonic() + 30
+    while not signals.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    # What --signal=B:USR1@120 does before the time limit: the command hears it, Ray stays up.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=lab.env, check=True)
+    while "USR1" not in signals.read_text():
+        assert time.monotonic() < deadline, lab.log(job_id)
+        time.sleep(0.2)
+    assert lab.state(job_id) == "RUNNING"
+    start = time.monotonic()
+    subprocess.run(["scancel", job_id], env=lab.env, check=True)
+    job = lab.wait(job_id, timeout=60, start=start)
+    assert job.state == "CANCELLED", job.log
+    assert "TERM" in signals.read_text()
+    assert job.seconds < 30, job.log
+    assert_cleaned_up(lab, job_id)
