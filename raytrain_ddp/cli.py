@@ -121,6 +121,25 @@ def scale(
     run_scale(cfg, parse_sizes(workers))
 
 
+bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("overhead")
+@train_options
+def bench_overhead(
+    cfg: TrainConfig,
+    rounds: int = typer.Option(3, "--rounds", help="A/B rounds; each runs all three variants."),
+    debug: bool = DEBUG,
+) -> None:
+    """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS (CPU)."""
+    from raytrain_ddp.bench_overhead import bench_overhead as run_bench
+
+    if cfg.gpu:
+        raise ConfigError("bench overhead compares CPU runs; drop --gpu")
+    run_bench(cfg, rounds)
+
+
 @app.command()
 def verify(
     run_dir: Path = typer.Argument(..., help="A run directory: <storage-path>/<name>."),

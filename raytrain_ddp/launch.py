@@ -52,7 +52,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.max_failures),
-        worker_runtime_env={"env_vars": worker_env(cfg)},
+        worker_runtime_env=worker_env(),
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, TorchConfig(backend=cfg.resolved_backend)
@@ -63,11 +63,12 @@ PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
 
 
-def worker_env(cfg: TrainConfig) -> dict[str, str]:
+def worker_env() -> dict[str, Any] | None:
+    """The workers' runtime_env: only when there is something to pass, because any runtime_env
+    keeps Ray from handing the workers its pre-started processes (seconds at startup). Ray sets
+    OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    # OpenMP in each worker must not spin up a thread per core of the whole node.
-    env["OMP_NUM_THREADS"] = str(cfg.cpus_per_worker)
-    return env
+    return {"env_vars": env} if env else None
 
 
 def dry_run(cfg: TrainConfig) -> None:
@@ -277,6 +278,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "nodes": [r["hostname"] for r in info["ranks"]],
         "node_ips": [r["ip"] for r in info["ranks"]],
         "wall_time_s": round(time.time() - started, 3),
+        "first_step_unix": info.get("first_step_unix"),
         "config": cfg.to_dict(),
     }
     write_json(run_dir / "summary.json", summary)

@@ -127,7 +127,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         sums = saved_sums if skip else torch.zeros(3, dtype=torch.float64, device=device)
         train_time, data_wait = (saved_time if skip else 0.0), 0.0
         bad_step = torch.zeros((), dtype=torch.float64, device=device)
-        tick = last_update = step_end = time.perf_counter()
+        tick = step_end = time.perf_counter()
+        last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
         for step, (images, labels) in enumerate(loaders.train, start=skip + 1):
             data_wait += time.perf_counter() - step_end
             images = images.to(device, non_blocking=True)
@@ -150,7 +151,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 last_update = time.perf_counter()
                 rate = (sums[2].item() - (saved_sums[2].item() if skip else 0)) * world_size
                 sink.step.remote(
-                    epoch=epoch, step=step, loss=loss.item(), samples_per_s=rate / (last_update - tick)
+                    epoch=epoch, step=step, loss=loss.item(), at=time.time(),
+                    samples_per_s=rate / max(last_update - tick, 1e-9),
                 )
             due = cfg.checkpoint_every_steps > 0 and step % cfg.checkpoint_every_steps == 0
             if step % CONTROL_EVERY == 0 or due:

@@ -47,10 +47,11 @@ class MetricsSink:
         self.rows: dict[int, dict[str, Any]] = {}
 
     def start(self, **run: Any) -> None:
-        self.run = run
+        self.run.update(run)  # a restarted worker group keeps the first group's first_step_unix
 
     def step(self, **update: Any) -> None:
         self.last_step = update
+        self.run.setdefault("first_step_unix", update["at"])  # time to first step, for benchmarks
 
     def epoch(self, row: dict[str, Any]) -> None:
         # Keyed by epoch: a worker group restarted after a failure reports the epoch again.

@@ -1,0 +1,116 @@
+"""`raytrain bench overhead`: what Ray Train costs against plain `torchrun --standalone`.
+
+The same training three ways, alternated round by round so that drifting machine load hits all of
+them alike: torchrun; `raytrain run` starting a fresh local Ray; `raytrain run` against a Ray
+cluster that is already up (as on Slurm, where the sbatch starts Ray before the run). Each reports
+the time from command start to the end of the first optimizer step, steady-state samples/s, and
+peak RSS per worker. It prints figures; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.head import local_head
+from raytrain_ddp.metrics import read_csv
+from raytrain_ddp.scale import steady
+
+VARIANTS = ("torchrun", "raytrain fresh Ray", "raytrain running Ray")
+
+
+def plain_env(cfg: TrainConfig) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["OMP_NUM_THREADS"] = str(cfg.cpus_per_worker)  # what raytrain gives its workers too
+    return env
+
+
+def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.workers}",
+         "-m", "raytrain_ddp.bench_torchrun", json.dumps(cfg.to_dict())],
+        env=plain_env(cfg), capture_output=True, text=True, timeout=1800,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun baseline failed: {proc.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "first_step_s": result["first_step_unix"] - started,
+        "samples_per_s": steady(result["throughputs"]),
+        "rss_mib": result["rss_mib"],
+    }
+
+
+def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) -> dict[str, float]:
+    config = workdir / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({**cfg.to_dict(), "name": name, "storage_path": str(workdir)}))
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain_ddp", "run", "--config", str(config)],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"raytrain run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    summary = json.loads((workdir / name / "summary.json").read_text())
+    rows = read_csv(workdir / name / "metrics.csv")
+    return {
+        "first_step_s": summary["first_step_unix"] - started,
+        "samples_per_s": steady([float(r["throughput"]) for r in rows]),
+        "rss_mib": max(float(r["cpu_rss_mib"]) for r in rows),
+    }
+
+
+def report(results: dict[str, list[dict[str, float]]]) -> str:
+    base = {key: statistics.median(r[key] for r in results["torchrun"]) for key in ("first_step_s", "samples_per_s")}
+    lines = [
+        f"{'variant':<22} {'first step s':>12} {'x torchrun':>10} {'samples/s':>10} {'x torchrun':>10} "
+        f"{'RSS MiB/worker':>14}  runs (first step s)",
+    ]
+    for variant, runs in results.items():
+        first = statistics.median(r["first_step_s"] for r in runs)
+        rate = statistics.median(r["samples_per_s"] for r in runs)
+        rss = statistics.median(r["rss_mib"] for r in runs)
+        each = " ".join(f"{r['first_step_s']:.1f}" for r in runs)
+        lines.append(
+            f"{variant:<22} {first:>12.1f} {first / base['first_step_s']:>10.2f} {rate:>10.1f} "
+            f"{rate / base['samples_per_s']:>10.3f} {rss:>14.0f}  {each}"
+        )
+    return "\n".join(lines)
+
+
+def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, float]]]:
+    # Medians over alternating rounds; the table reports them with every run's figure.
+    cfg = dataclasses.replace(cfg, progress="none", address=None)
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
+        num_cpus=cfg.workers * cfg.cpus_per_worker
+    ) as head:
+        workdir = Path(tmp)
+        for round_ in range(1, rounds + 1):
+            for variant in VARIANTS:
+                if variant == "torchrun":
+                    result = run_torchrun(cfg)
+                elif variant == "raytrain fresh Ray":
+                    result = run_raytrain(cfg, plain_env(cfg), workdir, f"fresh-{round_}")
+                else:
+                    result = run_raytrain(cfg, head.env, workdir, f"running-{round_}")
+                results[variant].append(result)
+                print(
+                    f"round {round_}/{rounds} {variant:<22} first step {result['first_step_s']:.1f} s, "
+                    f"{result['samples_per_s']:.1f} samples/s, {result['rss_mib']:.0f} MiB",
+                    flush=True,
+                )
+    print(report(results))
+    return results
