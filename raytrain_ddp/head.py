@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_head(num_cpus: int, extra_args: tuple[str, ...] = ()) -> Iterator[Head]:
+def local_head(num_cpus: int, extra_env: dict[str, str] | None = None) -> Iterator[Head]:
     # A short temp dir: Ray's socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     os.chmod(tmp, 0o700)
@@ -49,6 +49,7 @@ def local_head(num_cpus: int, extra_args: tuple[str, ...] = ()) -> Iterator[Head
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop in ~2 s, not 30
+        **(extra_env or {}),
     }
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
@@ -57,7 +58,6 @@ def local_head(num_cpus: int, extra_args: tuple[str, ...] = ()) -> Iterator[Head
             f"--port={port}", "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=200000000",
             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
-            *extra_args,
         ],
         env=env,
         stdout=subprocess.DEVNULL,

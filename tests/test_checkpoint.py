@@ -100,3 +100,15 @@ def test_no_resume_moves_the_old_run_aside(ray_head, tmp_path):
     [aside] = tmp_path.glob("r.old-*")
     assert (aside / "metrics.csv").read_text() == "precious\n"
     assert read_csv(old / "metrics.csv")[0]["epoch"] == "1"
+
+
+def test_worker_killed_for_memory_says_so(tmp_path):
+    # A head whose memory monitor thinks any use is too much: Ray's real OOM killer fires.
+    from raytrain_ddp.head import local_head
+
+    with local_head(num_cpus=2, extra_env={"RAY_memory_usage_threshold": "0.01",
+                                           "RAY_memory_monitor_refresh_ms": "100"}) as head:
+        proc = raytrain("run", *RUN, "--epochs", "1", "--storage-path", str(tmp_path), env=head.env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "ran out of memory" in line and "--batch-size" in line, proc.stderr[-2000:]
