@@ -113,6 +113,8 @@ class TrainConfig:
     """Driver progress display: rich bar, plain lines, or none. auto = rich on a TTY, else plain."""
     verbose: bool = False
     """Show Ray's own logs."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run dir>/tensorboard (needs the tensorboard package)."""
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
-from raytrain_ddp.metrics import write_csv, write_json
+from raytrain_ddp.metrics import tensorboard_writer, write_csv, write_json, write_parquet
 from raytrain_ddp.progress import Display
 
 POLL_S = 0.5
@@ -251,7 +251,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     )
     display = Display(cfg.progress, cfg.epochs)
     display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")
-    watcher = Watcher(sink, display, run_dir)
+    watcher = Watcher(sink, display, run_dir, cfg.tensorboard)
     watcher.start()
     stop_on_signals(sink, display)
     try:
@@ -313,11 +313,12 @@ def stop_on_signals(sink: Any, display: Display) -> None:
 
 
 class Watcher(threading.Thread):
-    """Polls the metrics sink while fit() blocks: updates the display, rewrites metrics.csv."""
+    """Polls the metrics sink while fit() blocks: updates the display, rewrites the metrics files."""
 
-    def __init__(self, sink: Any, display: Display, run_dir: Path):
+    def __init__(self, sink: Any, display: Display, run_dir: Path, tensorboard: bool):
         super().__init__(daemon=True)
         self.sink, self.display, self.run_dir = sink, display, run_dir
+        self.tensorboard = tensorboard_writer(run_dir) if tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.done = threading.Event()
@@ -328,6 +329,13 @@ class Watcher(threading.Thread):
         info, step, rows = ray.get(self.sink.poll.remote())
         if rows != self.rows:
             write_csv(self.run_dir / "metrics.csv", rows)
+            write_parquet(self.run_dir / "metrics.parquet", rows)
+            if self.tensorboard is not None:
+                for row in rows[len(self.rows) :]:
+                    for key, value in row.items():
+                        if isinstance(value, (int, float)) and key != "epoch":
+                            self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
+                self.tensorboard.flush()
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
             # Which pid on which host is which rank: for the user (and for tests that kill one).
             write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})

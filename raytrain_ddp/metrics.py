@@ -87,6 +87,25 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, out.getvalue())
 
 
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+
+
+def tensorboard_writer(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from raytrain_ddp.config import ConfigError
+
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
 def read_csv(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))

@@ -39,7 +39,7 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     config.write_text("workers: 2\noptimizer: adamw\nlr: 0.003\nscheduler: step\nname: from-file\n")
     proc = raytrain(
         "run", "--config", str(config), "--name", "from-flag", "--storage-path", str(tmp_path), *TINY,
-        env=ray_head.env,
+        "--tensorboard", env=ray_head.env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "from-flag" / "summary.json").read_text())
@@ -47,8 +47,18 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert len(summary["node_ips"]) == 2 and len(set(summary["node_ips"])) == 1  # one machine
     assert "epoch 1/1" in proc.stdout  # plain progress lines for .out files
 
-    # `raytrain verify` passes the finished run and fails it once truncated.
     run_dir = tmp_path / "from-flag"
+    # metrics.parquet holds the same rows as metrics.csv; TensorBoard got the scalars.
+    import pyarrow.parquet as pq
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    table = pq.read_table(run_dir / "metrics.parquet").to_pylist()
+    assert table[0]["val_acc"] == pytest.approx(float(read_csv(run_dir / "metrics.csv")[0]["val_acc"]))
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {"train_loss", "val_acc", "throughput"} <= set(events.Tags()["scalars"])
+
+    # `raytrain verify` passes the finished run and fails it once truncated.
     good = raytrain("verify", str(run_dir))
     assert good.returncode == 0 and good.stdout.count("PASS") == 5, good.stdout
     lines = (run_dir / "metrics.csv").read_text().splitlines()
