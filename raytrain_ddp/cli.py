@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from raytrain_ddp import launch
+from raytrain_ddp import launch, submit
 from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
 
 app = typer.Typer(
@@ -120,6 +120,8 @@ def scale(
 
     run_scale(cfg, parse_sizes(workers))
 
+
+submit.register(app, train_options, DEBUG)  # submit, status, logs, stop: Ray Jobs on a running cluster
 
 bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")

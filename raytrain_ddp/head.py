@@ -7,6 +7,7 @@ and never another user's (no node-wide `ray stop`).
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -43,6 +44,16 @@ def local_head(num_cpus: int, extra_env: dict[str, str] | None = None) -> Iterat
     token.write_text(secrets.token_hex(32))
     os.chmod(token, 0o600)
     port = free_port()
+    # Every port explicit: Ray's servers share a taken port silently, and a second head on the
+    # default Ray Client port (10001) would answer for the first one at random.
+    ports = [
+        f"--{flag}={free_port()}"
+        for flag in (
+            "node-manager-port", "object-manager-port", "ray-client-server-port", "metrics-export-port",
+            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        )
+    ]
+    workers = random.randrange(20000, 30000, 100)  # a worker-port block of its own, most likely
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -55,7 +66,8 @@ def local_head(num_cpus: int, extra_env: dict[str, str] | None = None) -> Iterat
     proc = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-            f"--port={port}", "--node-ip-address=127.0.0.1",
+            f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
+            "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=200000000",
             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
         ],

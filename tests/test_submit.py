@@ -1,0 +1,355 @@
+"""`raytrain submit|status|logs|stop` against a real token-secured Ray head with its dashboard, and
+the cluster/ manifests.
+
+The e2e tests share one module head started with `ray start --head --block` and every port its own
+(several Ray heads run side by side on CI machines), stopped by killing its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+import typer.main
+import yaml
+
+from conftest import REPO, TINY, raytrain
+from raytrain_ddp import submit
+from raytrain_ddp.cli import app
+from raytrain_ddp.config import ConfigError, TrainConfig, resolve
+
+HEAD_CPUS = 2  # the tiny runs below take 2 workers x 1 CPU
+
+
+# ---- the config crosses to the cluster as flags -----------------------------------------------
+
+
+def parse_run_flags(args: list[str]) -> TrainConfig:
+    """What `raytrain run ARGS` would train, parsed by the real command, without running it."""
+    run = typer.main.get_command(app).commands["run"]
+    params = run.make_context("run", list(args)).params
+    return resolve(params["config"], {f.name: params[f.name] for f in fields(TrainConfig)})
+
+
+def test_entrypoint_flags_rebuild_the_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("epochs: 7\noptimizer: adamw\nlr: 0.003\ngpu: true\namp: false\n")
+    cfg = resolve(config, {"workers": 8, "storage_path": "/mnt/shared/runs", "data_dir": "~/data",
+                           "placement": "spread", "resume": False, "verbose": True, "name": "exp 1"})
+    cfg = submit.for_cluster(cfg)
+    command = shlex.split(submit.entrypoint(cfg))
+    assert command[:4] == ["python", "-m", "raytrain_ddp", "run"]
+    assert "--config" not in command  # the file is read here; its values travel as flags
+    assert parse_run_flags(command[4:]) == cfg
+    assert {"--gpu", "--no-amp", "--no-resume", "--verbose"} <= set(command)
+
+
+def test_defaults_stay_out_of_the_entrypoint():
+    cfg = submit.for_cluster(TrainConfig(storage_path="/runs", name="a"))
+    assert submit.run_flags(cfg) == ["--storage-path", "/runs", "--name", "a"]
+
+
+def test_for_cluster_names_the_run_and_drops_the_gcs_address():
+    cfg = submit.for_cluster(TrainConfig(storage_path="/runs", address="10.0.0.1:6379"))
+    assert cfg.address is None  # the job's driver gets $RAY_ADDRESS from Ray
+    assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.name)
+
+
+@pytest.mark.parametrize("flag", ["storage_path", "data_dir"])
+def test_relative_paths_are_refused(flag):
+    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} .* is relative"):
+        submit.for_cluster(TrainConfig(**{"storage_path": "/runs", flag: "runs"}))
+
+
+def test_runtime_env_ships_only_the_package(monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    env = submit.runtime_env()
+    [package] = env["py_modules"]
+    assert Path(package) == REPO / "raytrain_ddp"
+    assert "working_dir" not in env  # never the checkout: .venv, runs/, tests
+    assert env["env_vars"]["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert int(env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30
+
+
+# ---- address and token -------------------------------------------------------------------------
+
+
+def test_address_comes_from_the_flag_then_the_environment(monkeypatch):
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address, as on Slurm: not ours
+    with pytest.raises(ConfigError, match="--address http://HEAD:8265"):
+        submit.dashboard_address(None)
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265/")
+    assert submit.dashboard_address(None) == "http://head:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "https://ray.example.com")
+    assert submit.dashboard_address(None) == "https://ray.example.com"
+    assert submit.dashboard_address("head:8265") == "http://head:8265"
+    with pytest.raises(ConfigError, match="not a dashboard URL"):
+        submit.dashboard_address("ray://head:10001")
+
+
+def test_token_comes_from_the_variables_ray_reads(monkeypatch, tmp_path):
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    assert submit.auth_headers() == {}
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert submit.auth_headers() == {"Authorization": "Bearer abc"}
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "xyz")  # Ray's order: the variable beats the file
+    assert submit.auth_headers() == {"Authorization": "Bearer xyz"}
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="cannot read RAY_AUTH_TOKEN_PATH"):
+        submit.auth_headers()
+
+
+def test_no_dashboard_fails_fast_in_one_line():
+    started = time.monotonic()
+    proc = raytrain("status", "--address", f"http://127.0.0.1:{free_port()}", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - started < 30
+    [line] = proc.stderr.strip().splitlines()
+    assert "no Ray dashboard answers" in line and "Connection refused" in line
+
+
+# ---- a real Ray head with its dashboard -------------------------------------------------------
+
+
+@dataclass
+class DashboardHead:
+    url: str
+    env: dict[str, str]
+    """A client's environment: the head's token, and no RAY_ADDRESS of its own."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dashboard_head():
+    try:
+        import aiohttp  # noqa: F401  the dashboard and the Jobs client come with ray[default]
+    except ImportError:
+        pytest.fail("these tests need the Ray dashboard and Jobs client: pip install 'ray[default]'")
+    # A short temp dir: Ray's socket paths must stay under 107 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
+    os.chmod(tmp, 0o700)
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(32))
+    os.chmod(token, 0o600)
+    port, dashboard = free_port(), free_port()
+    # Every port explicit: with defaults, heads running side by side clash on the agent's ports.
+    ports = {
+        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+        "ray-client-server-port",  # ray[default] brings the Ray Client server, on 10001 by default
+    }
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        "AUTOSCALER_METRIC_PORT": str(free_port()),
+        "DASHBOARD_METRIC_PORT": str(free_port()),
+        # The job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            f"--port={port}", "--node-ip-address=127.0.0.1",
+            f"--num-cpus={HEAD_CPUS}", "--num-gpus=0", "--object-store-memory=200000000",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+            *(f"--{flag}={free_port()}" for flag in sorted(ports)),
+            "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_for_dashboard(url, head, timeout_s=120)
+        yield DashboardHead(url=url, env=env)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Up once it answers at all: 401 without a token is an answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the Ray dashboard did not answer at {url} within {timeout_s} s")
+
+
+@pytest.mark.e2e
+def test_submit_runs_the_job_and_reports_back(dashboard_head, tmp_path):
+    runs = tmp_path / "runs"
+    proc = raytrain(
+        "submit", "--address", dashboard_head.url, *TINY, "--workers", "2",
+        "--storage-path", str(runs), "--name", "submitted", env=dashboard_head.env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "done: 2 gloo workers" in proc.stdout  # the job's own output, streamed back
+    job_id = re.search(r"submitted (\S+) to ", proc.stderr).group(1)
+    assert f"job {job_id} SUCCEEDED" in proc.stderr
+    summary = json.loads((runs / "submitted" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["config"]["epochs"] == 1
+
+    status = raytrain("status", job_id, "--address", dashboard_head.url, env=dashboard_head.env)
+    assert status.returncode == 0, status.stderr
+    assert f"{job_id}: SUCCEEDED" in status.stdout
+    assert f"run: submitted -> {runs}/submitted" in status.stdout
+    listing = raytrain("status", "--address", dashboard_head.url, env=dashboard_head.env)
+    assert re.search(rf"{job_id}\s+SUCCEEDED\s+submitted", listing.stdout), listing.stdout
+    logs = raytrain("logs", job_id, "--address", dashboard_head.url, env=dashboard_head.env)
+    assert logs.returncode == 0 and "done: 2 gloo workers" in logs.stdout
+
+
+@pytest.mark.e2e
+def test_wrong_or_missing_token_is_refused_in_one_line(dashboard_head, tmp_path):
+    base = {k: v for k, v in dashboard_head.env.items() if k not in ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
+    for env, says in (
+        ({**base, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, "refused our auth token"),
+        (base, "needs an auth token"),
+    ):
+        started = time.monotonic()
+        proc = raytrain(
+            "submit", "--address", dashboard_head.url, *TINY, "--storage-path", str(tmp_path),
+            env=env, timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert time.monotonic() - started < 60
+        [line] = proc.stderr.strip().splitlines()
+        assert says in line and "RAY_AUTH_TOKEN_PATH" in line
+
+
+@pytest.mark.e2e
+def test_exit_status_is_the_jobs_failed_and_stopped(dashboard_head, tmp_path):
+    address = ("--address", dashboard_head.url)
+    # The cluster's driver refuses the request (exit 2); submit exits with the same status.
+    bad = raytrain("submit", *address, *TINY, "--model", "nope", "--storage-path", str(tmp_path),
+                   env=dashboard_head.env)
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "unknown --model 'nope'" in bad.stdout and " FAILED: " in bad.stderr
+
+    started = raytrain("submit", *address, *TINY, "--epochs", "50", "--no-wait",
+                       "--storage-path", str(tmp_path), env=dashboard_head.env)
+    assert started.returncode == 0, started.stderr
+    job_id = started.stdout.strip()
+    stop = raytrain("stop", job_id, *address, env=dashboard_head.env)
+    assert stop.returncode == 0 and f"stopping {job_id}" in stop.stderr, stop.stderr
+    followed = raytrain("logs", job_id, "--follow", *address, env=dashboard_head.env, timeout=180)
+    assert followed.returncode == submit.EXIT_STOPPED, followed.stderr
+    status = raytrain("status", job_id, *address, env=dashboard_head.env)
+    assert f"{job_id}: STOPPED" in status.stdout
+    unknown = raytrain("status", "raysubmit_nosuchjob", *address, env=dashboard_head.env)
+    assert unknown.returncode == 2 and "no job raysubmit_nosuchjob" in unknown.stderr
+
+
+# ---- the manifests -------------------------------------------------------------------------------
+
+
+def load(path: str) -> list[dict]:
+    return list(yaml.safe_load_all((REPO / "cluster" / path).read_text()))
+
+
+def containers(pod_template: dict) -> list[dict]:
+    return pod_template["spec"]["containers"]
+
+
+def token_from_secret(container: dict) -> bool:
+    env = {e["name"]: e for e in container.get("env", [])}
+    return (
+        env.get("RAY_AUTH_MODE", {}).get("value") == "token"
+        and "secretKeyRef" in env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {})
+    )
+
+
+def shared_claim(pod_template: dict) -> str:
+    [claim] = [v["persistentVolumeClaim"]["claimName"] for v in pod_template["spec"]["volumes"]
+               if "persistentVolumeClaim" in v]
+    return claim
+
+
+def test_raycluster_has_a_gpu_group_and_the_token_from_a_secret():
+    [cluster] = load("kuberay/raycluster.yaml")
+    [pvc] = load("kuberay/storage.yaml")
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    head = cluster["spec"]["headGroupSpec"]
+    assert all(token_from_secret(c) for c in containers(head["template"]))
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"  # pod network; token required
+    [gpu] = cluster["spec"]["workerGroupSpecs"]
+    [worker] = containers(gpu["template"])
+    assert token_from_secret(worker)
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert shared_claim(head["template"]) == shared_claim(gpu["template"]) == pvc["metadata"]["name"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_rayjob_runs_raytrain_on_gpus_with_storage_on_the_shared_volume():
+    [job] = load("kuberay/rayjob.yaml")
+    assert job["kind"] == "RayJob"
+    spec = job["spec"]
+    assert spec["rayClusterSpec"]["authOptions"]["mode"] == "token"
+    command = shlex.split(spec["entrypoint"])
+    assert command[:2] == ["raytrain", "run"]
+    cfg = parse_run_flags(command[2:])  # the real `run` command accepts every flag
+    [gpu] = spec["rayClusterSpec"]["workerGroupSpecs"]
+    [worker] = containers(gpu["template"])
+    assert cfg.gpu and cfg.workers == gpu["replicas"] * int(worker["resources"]["limits"]["nvidia.com/gpu"])
+    mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
+    assert cfg.storage_path.startswith(mounts["shared"] + "/")
+    assert shared_claim(gpu["template"]) == shared_claim(spec["rayClusterSpec"]["headGroupSpec"]["template"])
+
+
+def test_onprem_config_is_valid_for_the_cluster_launcher_and_uses_a_token():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    [config] = load("onprem.yaml")
+    validate_config(prepare_config(config))  # what `ray up` checks first
+    assert config["provider"]["type"] == "local"
+    assert config["provider"]["head_ip"] and config["provider"]["worker_ips"]
+    assert any("pip install" in c and "~/raytrain/src" in c for c in config["setup_commands"])
+    for start in (config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]):
+        assert "RAY_AUTH_MODE=token" in start and "RAY_AUTH_TOKEN_PATH=" in start
+    assert "--dashboard-host=127.0.0.1" in config["head_start_ray_commands"][-1]
+    header = (REPO / "cluster" / "onprem.yaml").read_text().split("cluster_name:")[0]
+    assert f"> {config['file_mounts']['~/raytrain/auth_token']}" in header  # the usage makes the token
