@@ -16,21 +16,19 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import typer
 
-from raytrain_ddp import formats
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.formats import BadSample, Samples
 
-FORMATS = {
-    "mnist": formats.read_mnist,
-    "cifar10": formats.read_cifar10,
-    "tinyimagenet": formats.read_tinyimagenet,
-    "imagefolder": formats.read_imagefolder,
-}
+if TYPE_CHECKING:
+    from raytrain_ddp.formats import Samples
+
+FORMATS = ("mnist", "cifar10", "tinyimagenet", "imagefolder")
+"""The source formats; their readers are data.READERS (imported late: torch is slow to import)."""
+MANIFEST = "manifest.json"
 MIB = 1 << 20
 
 
@@ -48,7 +46,8 @@ def convert(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write dst/{train,val}/part-NNNNN.parquet and dst/manifest.json; return the manifest."""
-    from raytrain_ddp.data import hold_out
+    from raytrain_ddp import formats
+    from raytrain_ddp.data import READERS, hold_out
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -56,7 +55,7 @@ def convert(
         raise ConfigError(f"--val-fraction must be between 0 and 1 (got {val_fraction})")
     if shard_mib <= 0 or group_mib <= 0 or group_mib > shard_mib:
         raise ConfigError(f"need 0 < --group-mib <= --shard-mib (got {group_mib} and {shard_mib})")
-    layout = FORMATS[fmt](Path(src).expanduser())
+    layout = READERS[fmt](Path(src).expanduser())
     train, val = (layout.train, layout.val) if layout.val is not None else hold_out(layout.train, val_fraction)
     dst = Path(dst).expanduser()
     clear(dst, overwrite)
@@ -89,14 +88,14 @@ def convert(
         "seed": seed,
     }
     # Written last: a manifest means the conversion finished.
-    tmp = dst / f".{formats.MANIFEST}.tmp"
+    tmp = dst / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, dst / formats.MANIFEST)
+    os.replace(tmp, dst / MANIFEST)
     return manifest
 
 
 def clear(dst: Path, overwrite: bool) -> None:
-    ours = [dst / formats.MANIFEST, dst / "train", dst / "val"]
+    ours = [dst / MANIFEST, dst / "train", dst / "val"]
     if any(p.exists() for p in ours):
         if not overwrite:
             raise ConfigError(f"{dst} already holds converted data; pass --overwrite or choose another DST")
@@ -113,6 +112,9 @@ def write_split(
     """Decode-check every sample and write them, shuffled, into size-bounded shards and row groups."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from raytrain_ddp import formats
+    from raytrain_ddp.formats import BadSample
 
     schema = pa.schema([("image", pa.binary()), ("label", pa.int64()), ("source", pa.string())])
     files: list[str] = []

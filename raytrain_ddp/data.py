@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -38,7 +39,11 @@ UNREADABLE = -1
 SHUFFLE_BUFFER_BATCHES = 4
 """Ray path: rows shuffle within a buffer of this many batches (convert already shuffled them once)."""
 DECODE_BATCH = 64
-"""Ray path: rows per decode task call; small enough to spread one shard over many CPUs."""
+"""Ray path: rows per decode_augment call."""
+READ_BLOCK_BYTES = 1 << 20
+"""Ray path: the Parquet reader hands on blocks of about this size, so decoding spreads over many tasks."""
+READ_CPUS = 0.25
+"""Ray path: CPU reserved per read task. Reading the stored bytes is cheap; decoding is the work."""
 
 
 class Data(NamedTuple):
@@ -400,8 +405,16 @@ class RayShard:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = self.shard.iter_torch_batches(batch_size=self.batch_size, local_shuffle_buffer_size=self.shuffle_buffer)
-        for batch in itertools.islice(batches, self.limit):
-            yield self.normalize(batch["image"]), batch["label"]
+        try:
+            for batch in itertools.islice(batches, self.limit):
+                yield self.normalize(batch["image"]), batch["label"]
+        except Exception as err:
+            # Ray Data wraps a failed decode in its own exception, and the BadSample, which names
+            # the file, survives only as a line of text in the middle of it: raise that line.
+            found = re.search(r"BadSample: (.+)", str(err))
+            if found is None:
+                raise
+            raise BadSample(found.group(1)) from err
 
 
 class EpochSampler(Sampler[int]):
@@ -544,8 +557,12 @@ def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
     # messages; shuffle="files" reads the shards in a new order every epoch.
     ds = ray.data.read_parquet(
         str(root / name), columns=["image", "label", "source"], include_paths=True,
-        shuffle="files" if train else None,
+        shuffle="files" if train else None, num_cpus=READ_CPUS,
     )
+    # Ray Data packs up to 128 MiB of files into one read task, and would run the decode fused
+    # into it: one core for all of CIFAR-10. A different CPU request keeps decoding a separate
+    # step, and small blocks give it many tasks to spread over the cluster.
+    ds.context.target_max_block_size = READ_BLOCK_BYTES
     limit = cfg.train_samples if train else cfg.val_samples
     if limit:
         ds = ds.limit(limit)

@@ -15,7 +15,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif")
 # fastest we have (2-3x PIL on small JPEGs). Say it once in the docs, not once per image.
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision", category=DeprecationWarning)
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # convert.MANIFEST too: convert must not import torch to start
 MANIFEST_FORMAT = "raytrain-parquet/1"
 
 
@@ -67,8 +67,11 @@ class Layout(NamedTuple):
 
 # --- decoding ---
 
-def decode(data: bytes, channels: int, source: str) -> torch.Tensor:
-    """Image-file bytes (JPEG, PNG, WebP, GIF) -> uint8 CHW tensor; BadSample names `source`."""
+def decode(data: bytes, channels: int, source: str | Callable[[], str]) -> torch.Tensor:
+    """Image-file bytes (JPEG, PNG, WebP, GIF) -> uint8 CHW tensor; BadSample names `source`.
+
+    `source` may be a function, for names that cost a read to find: it is only called on failure.
+    """
     from torchvision.io import ImageReadMode, decode_image
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
@@ -77,9 +80,8 @@ def decode(data: bytes, channels: int, source: str) -> torch.Tensor:
             raise RuntimeError("the file is empty")
         return decode_image(torch.from_numpy(np.frombuffer(data, np.uint8).copy()), mode=mode)
     except RuntimeError as err:
-        raise BadSample(
-            f"cannot decode image {source}: {_reason(err)}; fix or delete it, or pass --skip-bad"
-        ) from None
+        name = source() if callable(source) else source
+        raise BadSample(f"cannot decode image {name}: {_reason(err)}; fix or delete it, or pass --skip-bad") from None
 
 
 def encode_png(pixels: np.ndarray) -> bytes:
@@ -191,7 +193,7 @@ class ParquetSamples(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return decode(self.encoded(index), self.channels, self.source(index)), int(self.labels[index])
+        return decode(self.encoded(index), self.channels, lambda: self.source(index)), int(self.labels[index])
 
     def encoded(self, index: int) -> bytes:
         self.load_images()

@@ -173,7 +173,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         val_loss, val_acc, _ = evaluate(model, loaders.val, device, amp_dtype)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
-        rss_mib, gpu_mib, wait_frac = epoch_resources(cuda, data_wait, train_time, world_size, device)
+        rss_mib, gpu_mib, wait_frac, skipped = epoch_resources(
+            cuda, data_wait, train_time, loaders.skipped(), world_size, device
+        )
         rows.append(
             {
                 "epoch": epoch,
@@ -190,6 +192,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 "gpu_mem_peak_mib": gpu_mib,
                 "cpu_rss_mib": rss_mib,
                 "data_wait_frac": wait_frac,
+                "skipped_samples": skipped,
             }
         )
         if rank == 0:
@@ -215,16 +218,18 @@ def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> b
     return bool(flags[0])
 
 
-def epoch_resources(cuda: bool, data_wait: float, train_time: float, world_size: int, device) -> tuple:
-    """(peak RSS MiB, peak GPU MiB or None) as the max over ranks, and the mean data-wait share."""
+def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device) -> tuple:
+    """(peak RSS MiB, peak GPU MiB or None) as the max over ranks, the mean data-wait share, and
+    the unreadable samples skipped (--skip-bad) summed over ranks."""
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0
     peaks = torch.tensor([rss_mib, gpu_mib], dtype=torch.float64, device=device)
-    wait = torch.tensor([data_wait / max(train_time, 1e-9)], dtype=torch.float64, device=device)
+    sums = torch.tensor([data_wait / max(train_time, 1e-9), skipped], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        dist.all_reduce(wait)
-    return round(peaks[0].item(), 1), (round(peaks[1].item(), 1) if cuda else None), wait.item() / world_size
+        dist.all_reduce(sums)
+    gpu = round(peaks[1].item(), 1) if cuda else None
+    return round(peaks[0].item(), 1), gpu, sums[0].item() / world_size, int(sums[1].item())
 
 
 @torch.no_grad()

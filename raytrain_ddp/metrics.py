@@ -30,6 +30,7 @@ CSV_COLUMNS = [
     "gpu_mem_peak_mib",
     "cpu_rss_mib",
     "data_wait_frac",
+    "skipped_samples",
 ]
 
 

@@ -16,6 +16,7 @@ def epoch_line(row: dict[str, Any], epochs: int) -> str:
         f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.3f}  "
         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.3f}  "
         f"{row['throughput']:.1f} samples/s  {row['epoch_time_s']:.1f} s"
+        + (f"  skipped {row['skipped_samples']} unreadable" if row.get("skipped_samples") else "")
     )
 
 

@@ -17,7 +17,8 @@ import pytest
 from raytrain_ddp.head import Head, free_port, local_head, wait_for_port  # noqa: F401 (used by test modules)
 
 REPO = Path(__file__).resolve().parents[1]
-HEAD_CPUS = 2
+HEAD_CPUS = 4
+"""Logical CPUs: 2 training workers, and 2 left for Ray Data's decode tasks (--loader ray)."""
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import TINY, raytrain
+from conftest import HEAD_CPUS, TINY, raytrain
 from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
 
 
@@ -126,7 +126,8 @@ def test_dry_run_starts_nothing(tmp_path):
     "args, fragments",
     [
         (["--gpu"], ["--gpu asks for 2 GPUs, but the cluster has none"]),
-        (["--workers", "3"], ["asked for 3 workers x 1 CPU, the cluster fits 2: 1 node x 2 CPUs"]),
+        (["--workers", str(HEAD_CPUS + 1)],
+         [f"asked for {HEAD_CPUS + 1} workers x 1 CPU, the cluster fits {HEAD_CPUS}: 1 node x {HEAD_CPUS} CPUs"]),
     ],
 )
 def test_preflight_refuses_what_the_cluster_cannot_fit(ray_head, tmp_path, args, fragments):
