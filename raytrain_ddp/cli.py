@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from raytrain_ddp import launch, submit
+from raytrain_ddp.bench_data import data_command
+from raytrain_ddp.convert import data_app
 from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
 
 app = typer.Typer(
@@ -122,6 +124,7 @@ def scale(
 
 
 submit.register(app, train_options, DEBUG)  # submit, status, logs, stop: Ray Jobs on a running cluster
+app.add_typer(data_app, name="data")  # data convert: datasets to Parquet shards
 
 bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -140,6 +143,9 @@ def bench_overhead(
     if cfg.gpu:
         raise ConfigError("bench overhead compares CPU runs; drop --gpu")
     run_bench(cfg, rounds)
+
+
+bench_app.command("data")(data_command)
 
 
 @app.command()

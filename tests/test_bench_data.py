@@ -1,0 +1,72 @@
+"""The data benchmark: its generated set, its table, and a tiny end-to-end run of every path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from PIL import Image
+
+from raytrain_ddp import bench_data
+
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
+
+
+def test_generated_set_is_64px_jpegs_in_class_folders(tmp_path):
+    bench_data.make_jpegs(tmp_path, 100)
+    train = sorted((tmp_path / "train").glob("*/*.JPEG"))
+    val = sorted((tmp_path / "val").glob("*/*.JPEG"))
+    assert (len(train), len(val)) == (98, 2)
+    assert len({p.parent.name for p in train}) == bench_data.CLASSES
+    with Image.open(train[0]) as image:
+        assert (image.format, image.size, image.mode) == ("JPEG", (64, 64), "RGB")
+    assert 1000 < train[0].stat().st_size < 6000  # about a TinyImageNet file, not a flat colour
+
+
+def test_table_prints_per_core_rates_and_ratios():
+    report = {"images": 320, "size": 64, "batch_size": 32, "cpus": 2, "per_core": "images per CPU-second", "results": [
+        {"path": "baseline", "images_per_s": 1000.0, "cpu_seconds": 0.64, "per_core": 500.0, "vs_baseline": 1.0},
+        {"path": "ray+parquet", "images_per_s": 1500.0, "cpu_seconds": 0.43, "per_core": 750.0, "vs_baseline": 1.5},
+    ]}
+    lines = bench_data.table(report).splitlines()
+    assert "2 loader CPUs" in lines[0] and "images per CPU-second" in lines[0]
+    assert lines[-1].split() == ["ray+parquet", "1500", "0.4", "750", "1.50x"]
+
+
+def test_cpu_time_counts_child_processes():
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=sum, args=(range(30_000_000),))
+    child.start()
+    seen = 0.0
+    while child.is_alive():
+        seen = max(seen, bench_data.tree_cpu_seconds().get(child.pid, 0.0))
+        time.sleep(0.05)
+    child.join()
+    assert seen > 0.1
+
+
+def test_torch_paths_without_ray(tmp_path):
+    report = bench_data.bench_data(images=120, cpus=1, batch_size=16, passes=1, workdir=tmp_path,
+                                   paths=("baseline", "torch", "torch+parquet"), echo=lambda _: None)
+    counts = {r["path"]: r["images"] for r in report["results"]}
+    assert counts == {"baseline": 118, "torch": 118, "torch+parquet": 118}  # the same train split
+    assert all(r["images_per_s"] > 0 and r["cpu_seconds"] > 0 and r["vs_baseline"] > 0 for r in report["results"])
+    assert report["per_core"] == "images per CPU-second"
+
+
+@pytest.mark.e2e
+def test_tiny_benchmark_runs_every_path(tmp_path, ray_head):
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_ddp.bench_data", "--tiny", "--address", ray_head.address,
+         "--json", str(tmp_path / "bench.json")],
+        env=ray_head.env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["path"] for r in report["results"]] == ["baseline", "torch", "torch+parquet", "ray+parquet"]
+    assert all(r["images"] == 314 and r["per_core"] > 0 for r in report["results"])
+    assert "vs baseline" in result.stdout and "1.00x" in result.stdout
