@@ -20,7 +20,7 @@
 # Security: token auth is always on. The token lives in a 0600 file inside the
 # job's 0700 temp dir; `worker` reads it from stdin when it has no file, so it
 # never shows up in a command line. The dashboard listens on 127.0.0.1 only
-# (with RAY_DASHBOARD=0 Ray 2.60 still runs a UI-less one).
+# (with RAY_DASHBOARD=0 Ray 2.60 still runs one, without its web UI).
 set -euo pipefail
 
 # ---- knobs (env vars; defaults shown) -------------------------------------------
@@ -487,7 +487,10 @@ cmd_stop() {
     for ((t = 0; t < RAY_STOP_TIMEOUT * 5; t++)); do
         pids=$(job_pids)
         [[ -n $pids ]] || break
-        ((t > 0)) || xargs -r kill -TERM <<<"$pids" 2>/dev/null || true
+        if ((t == 0)); then
+            log "stopping processes of $RAY_TMPDIR: ${pids//$'\n'/ }"
+            xargs -r kill -TERM <<<"$pids" 2>/dev/null || true
+        fi
         sleep 0.2
     done
     pids=$(job_pids)

@@ -12,14 +12,16 @@ Needs root, iproute2, util-linux and Debian's Slurm packages:
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,19 +113,39 @@ class Lab:
                 pytest.fail(f"job {job_id} never logged {text!r}:\n{self.log(job_id)}")
             time.sleep(0.5)
 
-    def node_tmp(self, node: str, job_id: str) -> Path:
-        """The job's Ray temp dir on `node`, as seen from the host."""
-        return LAB / "nodes" / node / "tmp" / f"rt-{job_id}"
+    def wait_until(self, job_id: str, what: str, done: Callable[[], bool], timeout: float) -> None:
+        """Poll `done` while the job is alive; fail, with its log, if the job ends first."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline or self.state(job_id) in FINAL_STATES:
+                pytest.fail(f"job {job_id}: no {what} within {timeout}s:\n{self.log(job_id)}")
+            time.sleep(0.5)
+
+    def field(self, job_id: str, name: str) -> str:
+        """One field of `scontrol show job`, e.g. Restarts or ExitCode."""
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=self.env,
+                             capture_output=True, text=True).stdout
+        m = re.search(rf"\b{name}=(\S+)", out)
+        return m.group(1) if m else ""
+
+    def node_tmp(self, node: str, cluster_id: str) -> Path:
+        """A job run's Ray temp dir on `node`, as seen from the host."""
+        return LAB / "nodes" / node / "tmp" / f"rt-{cluster_id}"
 
 
-def leftover_ray_processes(job_id: str) -> list[str]:
-    """This job's Ray processes still alive anywhere on the machine.
+def cluster_ids(job_id: str, restarts: int = 0) -> list[str]:
+    """The Ray cluster ids of a job's runs: the job id, then <job>.<restart> for each requeue."""
+    return [job_id] + [f"{job_id}.{r}" for r in range(1, restarts + 1)]
+
+
+def leftover_ray_processes(cluster_id: str) -> list[str]:
+    """A job run's Ray processes still alive anywhere on the machine.
 
     gcs_server, raylet and friends carry the temp dir in their command line; every process that
     `ray start` spawned (agents, workers, orphans included) carries RAYTRAIN_RAY_NODE in its
     environment.
     """
-    tmp = f"/tmp/rt-{job_id}"
+    tmp = f"/tmp/rt-{cluster_id}"
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -138,14 +160,15 @@ def leftover_ray_processes(job_id: str) -> list[str]:
     return found
 
 
-def assert_cleaned_up(lab: Lab, job_id: str) -> None:
+def assert_cleaned_up(lab: Lab, job_id: str, restarts: int = 0) -> None:
     # Slurm may report the job done while the last killed processes are still exiting.
     deadline = time.monotonic() + 10
-    while (left := leftover_ray_processes(job_id)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left == []
-    for node in NODES:
-        assert not lab.node_tmp(node, job_id).exists(), f"temp dir left on {node}"
+    for cluster_id in cluster_ids(job_id, restarts):
+        while (left := leftover_ray_processes(cluster_id)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == []
+        for node in NODES:
+            assert not lab.node_tmp(node, cluster_id).exists(), f"temp dir {cluster_id} left on {node}"
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +299,15 @@ echo started >>signals
 while :; do sleep 0.2; done
 """
 
+# Like `raytrain run` while it starts up: SIGUSR1 would kill it until it installs its handler.
+# Once it has one, it "checkpoints" and stops with raytrain's status for that, 75.
+SLOW_HANDLER_SH = """\
+echo started >slow_handler
+sleep 5
+trap 'echo stopping >>slow_handler; exit 75' USR1
+while :; do sleep 0.2; done
+"""
+
 
 def write(lab: Lab, name: str, text: str) -> None:
     (lab.work / name).write_text(text)
@@ -320,11 +352,15 @@ def test_token_is_fresh_and_private(lab: Lab, train_job: Job) -> None:
     assert (probes / "token_leaks").read_text().strip() == "0"
 
 
-def test_dashboard_is_minimal_and_local(lab: Lab, train_job: Job) -> None:
-    # --include-dashboard=false still runs a UI-less dashboard process in Ray 2.60; it must
-    # listen on loopback only.
-    for line in (lab.work / "probes" / "dashboards").read_text().splitlines():
-        assert "--host=127.0.0.1" in line and "--minimal" in line, line
+def test_dashboard_is_local_without_ui(lab: Lab, train_job: Job) -> None:
+    # --include-dashboard=false still runs a dashboard process in Ray 2.60, without its web UI:
+    # `--minimal` with plain `ray`, `--disable-frontend` with `ray[default]`. It must listen on
+    # loopback only.
+    lines = (lab.work / "probes" / "dashboards").read_text().splitlines()
+    assert lines, train_job.log
+    for line in lines:
+        assert "--host=127.0.0.1" in line, line
+        assert "--minimal" in line or "--disable-frontend" in line, line
 
 
 def test_wait_names_the_node_that_never_joined(lab: Lab, train_job: Job) -> None:
@@ -444,4 +480,92 @@ def test_signals_reach_the_command_and_scancel_cleans_up(lab: Lab) -> None:
     assert job.state == "CANCELLED", job.log
     assert "TERM" in signals.read_text()
     assert job.seconds < 30, job.log
+    assert_cleaned_up(lab, job_id)
+
+
+# ---- preemption and time limits: checkpoint, requeue, resume ------------------------------------
+
+# Sized so an epoch takes several seconds on a loaded 2-core machine; --checkpoint-every-steps 5
+# makes the ranks agree every 5 steps, so the stop lands mid-epoch, soon after the signal.
+PREEMPT_RUN = ("raytrain", "run", "--workers", "2", "--cpus-per-worker", "2", "--epochs", "3",
+               "--train-samples", "1024", "--val-samples", "128", "--batch-size", "32",
+               "--checkpoint-every-steps", "5", "--data-workers", "0", "--progress", "plain")
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
+    run_dir = lab.work / "runs" / "pre"
+    job_id = lab.submit(*PREEMPT_RUN, "--storage-path", str(lab.work / "runs"), "--name", "pre",
+                        sbatch_flags=("--nodes=2", "--requeue"))
+    start = time.monotonic()
+    lab.wait_until(job_id, "training (workers.json)", (run_dir / "workers.json").exists, timeout=300)
+    signalled = time.monotonic()
+    # What --signal=B:USR1@120 does ahead of the time limit (and preemption with
+    # PreemptParameters=send_user_signal): the batch script hears it, Ray stays up.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=lab.env, check=True)
+    lab.wait_until(job_id, "requeue", lambda: lab.field(job_id, "Restarts") == "1", timeout=180)
+    requeued = time.monotonic()
+
+    # While the job waits to restart, plant what a run killed hard leaves behind: a process
+    # tagged as the first run's Ray, on n2, holding the job's node-manager port (with
+    # SO_REUSEPORT, as Ray's gRPC servers do, and SO_REUSEADDR past the first run's TIME_WAIT
+    # connections). The restarted run must sweep it, not clash with it.
+    base = int(re.search(r"Ray ports from (\d+)", lab.log(job_id)).group(1))
+    leftover = subprocess.Popen(
+        ["nsenter", "--net=/run/netns/sl-n2", "env", f"RAYTRAIN_RAY_NODE=/tmp/rt-{job_id}",
+         sys.executable, "-c",
+         "import socket, time; s = socket.socket(); "
+         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
+         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+         f"s.bind(('', {base + 1})); s.listen(); print('listening', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert leftover.stdout.readline().strip() == "listening"
+        job = lab.wait(job_id, timeout=480, start=start)
+        swept = leftover.poll()
+    finally:
+        leftover.kill()
+        leftover.wait()
+    print(f"\njob {job_id}: training after {signalled - start:.0f}s, requeued"
+          f" {requeued - signalled:.0f}s after the signal, done after {job.seconds:.0f}s")
+
+    assert job.state == "COMPLETED", job.log
+    assert lab.field(job_id, "Restarts") == "1", job.log
+    # The first run stopped at an agreed step with a checkpoint and requeued the job ...
+    stop = re.search(r"stopped: stopped by a signal with a checkpoint at epoch (\d+) step (\d+)",
+                     job.log)
+    assert stop, job.log
+    assert f"requeued job {job_id}, which will resume from it" in job.log, job.log
+    # ... the second run, in a fresh temp dir, swept the leftover and resumed at that checkpoint.
+    assert f"job {job_id} (restart 1):" in job.log and f"tmp /tmp/rt-{job_id}.1" in job.log, job.log
+    assert f"sweeping leftovers of earlier runs ({job_id})" in job.log, job.log
+    # (The testbed's nodes share one PID namespace, so every node's sweep may see it.)
+    sweep_line = rf"ray_node\[stop@n\d\]: stopping processes of /tmp/rt-{job_id}: .*\b{leftover.pid}\b"
+    assert re.search(sweep_line, job.log), job.log
+    assert swept == -signal.SIGTERM, f"the planted leftover was not stopped ({swept})\n{job.log}"
+    resumed = re.search(r"resumed from the checkpoint at epoch (\d+) step (\d+)", job.log)
+    assert resumed and resumed.groups() == stop.groups(), job.log
+
+    with open(run_dir / "metrics.csv", newline="") as f:
+        assert [int(row["epoch"]) for row in csv.DictReader(f)] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert sorted(summary["nodes"]) == NODES
+    assert_cleaned_up(lab, job_id, restarts=1)
+
+
+def test_early_usr1_waits_for_the_handler_and_no_requeue_is_respected(lab: Lab) -> None:
+    # SIGUSR1 while the command starts up must not kill it: it is held until the command has a
+    # handler. The command then stops with 75, and --no-requeue keeps the job from coming back.
+    write(lab, "slow_handler.sh", SLOW_HANDLER_SH)
+    job_id = lab.submit("bash", "slow_handler.sh", sbatch_flags=("--nodes=1", "--no-requeue"))
+    marker = lab.work / "slow_handler"
+    lab.wait_until(job_id, "start of the command", marker.exists, timeout=180)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=lab.env, check=True)
+    job = lab.wait(job_id, timeout=120)
+    assert job.state == "FAILED" and lab.field(job_id, "ExitCode") == "75:0", job.log
+    assert "stopping" in marker.read_text(), job.log
+    assert "the command has no handler for it yet" in job.log, job.log
+    assert "sending the pending SIGUSR1 to the command" in job.log, job.log
+    assert "this job may not be requeued" in job.log, job.log
+    assert lab.field(job_id, "Restarts") == "0", job.log
     assert_cleaned_up(lab, job_id)

@@ -2,7 +2,7 @@
 # A real multi-node Slurm cluster on this one machine, for tests and for trying
 # slurm/ray_cluster.sbatch without a cluster.
 #
-#   tests/slurm/testbed.sh up       # start (idempotent); prints `export SLURM_CONF=...`
+#   tests/slurm/testbed.sh up       # start (idempotent; running daemons keep their config); prints `export SLURM_CONF=...`
 #   tests/slurm/testbed.sh status   # nodes, daemons, queue
 #   tests/slurm/testbed.sh down     # stop daemons, delete namespaces (idempotent)
 #
@@ -30,6 +30,7 @@ BRIDGE=${SLURM_LAB_BRIDGE:-slbr0}
 CTLD_PORT=${SLURM_LAB_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_LAB_SLURMD_PORT:-6818}
 UP_TIMEOUT=${SLURM_LAB_UP_TIMEOUT:-60}       # seconds to wait for all nodes idle
+CRED_EXPIRE=${SLURM_LAB_CRED_EXPIRE:-20}     # step credential lifetime; a requeued job waits this + 1 s
 
 CONF="$LAB/slurm.conf"
 NS_PREFIX=sl-                                # netns names: sl-n1, sl-n2, ...
@@ -145,10 +146,12 @@ SwitchType=switch/none
 ReturnToService=2
 # Declared CPUs win over the host's real core count.
 SlurmdParameters=config_overrides
-# Fast feedback: short kill grace, frequent scheduling, finished jobs kept 10 min.
+# Fast feedback: short kill grace, frequent scheduling, finished jobs kept 10 min,
+# and a requeued job may start again after $((CRED_EXPIRE + 1)) s instead of Slurm's 121 s.
 KillWait=10
 MinJobAge=600
 SchedulerParameters=sched_interval=2
+AuthInfo=cred_expire=$CRED_EXPIRE
 EOF
     for ((i = 1; i <= NODES; i++)); do
         echo "NodeName=n$i NodeHostname=n$i NodeAddr=$(node_ip "$i") CPUs=$CPUS Sockets=1" \
