@@ -90,6 +90,8 @@ class TrainConfig:
     """LR schedule per epoch: none, step (x0.1 at 50% and 75% of epochs) or cosine."""
     amp: bool = True
     """Mixed precision on GPU: bf16 where supported, else fp16 with a GradScaler. Ignored on CPU."""
+    compile: bool = False
+    """torch.compile the model: a compile of a minute or so on each worker, then faster steps (GPU)."""
     seed: int = 0
     """Seed for the model, the synthetic data and the sampler's shuffle."""
 

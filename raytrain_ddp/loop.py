@@ -57,8 +57,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     model = MODELS[cfg.model](cfg.num_classes, loaders.in_channels)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        # In place, before DDP: the state dict keeps its keys, and Dynamo never traces DDP's own
+        # forward (its buffer broadcast breaks the graph, and the step would silently run eager).
+        model.compile()
+    # Gradients live in DDP's all-reduce buckets (no copy), and the graph is static: every
+    # parameter gets a gradient every step, so DDP may skip its per-step search for unused ones.
     model = ray.train.torch.prepare_model(
-        model, parallel_strategy_kwargs={"gradient_as_bucket_view": True}
+        model, parallel_strategy_kwargs={"gradient_as_bucket_view": True, "static_graph": True}
     )
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer)
