@@ -4,7 +4,9 @@ The same training three ways, alternated round by round so that drifting machine
 them alike: torchrun; `raytrain run` starting a fresh local Ray; `raytrain run` against a Ray
 cluster that is already up (as on Slurm, where the sbatch starts Ray before the run). Each reports
 the time from command start to the end of the first optimizer step, steady-state samples/s, and
-peak RSS per worker. It prints figures; it asserts nothing about speed.
+peak RSS per worker. With --gpu both use NCCL and the GPU speed habits, and the table adds peak GPU
+memory; with --workers 1 the baseline is a plain single-process loop. It prints figures; it
+asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
         "first_step_s": result["first_step_unix"] - started,
         "samples_per_s": steady(result["throughputs"]),
         "rss_mib": result["rss_mib"],
+        "gpu_mib": result["gpu_mem_peak_mib"],
     }
 
 
@@ -69,6 +72,7 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
         "first_step_s": summary["first_step_unix"] - started,
         "samples_per_s": steady([float(r["throughput"]) for r in rows]),
         "rss_mib": max(float(r["cpu_rss_mib"]) for r in rows),
+        "gpu_mib": max(float(r["gpu_mem_peak_mib"]) for r in rows) if cfg.gpu else None,
     }
 
 
@@ -76,16 +80,18 @@ def report(results: dict[str, list[dict[str, float]]]) -> str:
     base = {key: statistics.median(r[key] for r in results["torchrun"]) for key in ("first_step_s", "samples_per_s")}
     lines = [
         f"{'variant':<22} {'first step s':>12} {'x torchrun':>10} {'samples/s':>10} {'x torchrun':>10} "
-        f"{'RSS MiB/worker':>14}  runs (first step s)",
+        f"{'RSS MiB/worker':>14} {'GPU MiB':>8}  runs (first step s)",
     ]
     for variant, runs in results.items():
         first = statistics.median(r["first_step_s"] for r in runs)
         rate = statistics.median(r["samples_per_s"] for r in runs)
         rss = statistics.median(r["rss_mib"] for r in runs)
+        gpus = [r["gpu_mib"] for r in runs if r.get("gpu_mib") is not None]
+        gpu = f"{statistics.median(gpus):.0f}" if gpus else "-"
         each = " ".join(f"{r['first_step_s']:.1f}" for r in runs)
         lines.append(
             f"{variant:<22} {first:>12.1f} {first / base['first_step_s']:>10.2f} {rate:>10.1f} "
-            f"{rate / base['samples_per_s']:>10.3f} {rss:>14.0f}  {each}"
+            f"{rate / base['samples_per_s']:>10.3f} {rss:>14.0f} {gpu:>8}  {each}"
         )
     return "\n".join(lines)
 
@@ -95,7 +101,7 @@ def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, fl
     cfg = dataclasses.replace(cfg, progress="none", address=None)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
-        num_cpus=cfg.workers * cfg.cpus_per_worker
+        num_cpus=cfg.workers * cfg.cpus_per_worker, num_gpus=cfg.workers if cfg.gpu else 0
     ) as head:
         workdir = Path(tmp)
         for round_ in range(1, rounds + 1):
@@ -109,7 +115,8 @@ def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, fl
                 results[variant].append(result)
                 print(
                     f"round {round_}/{rounds} {variant:<22} first step {result['first_step_s']:.1f} s, "
-                    f"{result['samples_per_s']:.1f} samples/s, {result['rss_mib']:.0f} MiB",
+                    f"{result['samples_per_s']:.1f} samples/s, {result['rss_mib']:.0f} MiB"
+                    + (f", GPU {result['gpu_mib']:.0f} MiB" if result.get("gpu_mib") is not None else ""),
                     flush=True,
                 )
     print(report(results))

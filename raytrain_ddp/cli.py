@@ -137,11 +137,19 @@ def bench_overhead(
     rounds: int = typer.Option(3, "--rounds", help="A/B rounds; each runs all three variants."),
     debug: bool = DEBUG,
 ) -> None:
-    """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS (CPU)."""
+    """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS, GPU memory."""
     from raytrain_ddp.bench_overhead import bench_overhead as run_bench
 
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be at least 1 (got {rounds})")
     if cfg.gpu:
-        raise ConfigError("bench overhead compares CPU runs; drop --gpu")
+        import torch
+
+        if torch.cuda.device_count() < cfg.workers:
+            raise ConfigError(
+                f"bench overhead --gpu runs on this machine, which has {torch.cuda.device_count()} GPUs "
+                f"for --workers {cfg.workers}; lower --workers or drop --gpu"
+            )
     run_bench(cfg, rounds)
 
 

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_head(num_cpus: int, extra_env: dict[str, str] | None = None) -> Iterator[Head]:
+def local_head(num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus: int = 0) -> Iterator[Head]:
     # A short temp dir: Ray's socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     os.chmod(tmp, 0o700)
@@ -68,7 +68,7 @@ def local_head(num_cpus: int, extra_env: dict[str, str] | None = None) -> Iterat
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
             "--node-ip-address=127.0.0.1",
-            f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=200000000",
+            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
         ],
         env=env,

@@ -9,10 +9,12 @@ from raytrain_ddp.bench_overhead import VARIANTS, report
 
 
 def test_report_ratios_against_torchrun():
-    run = lambda first, rate: {"first_step_s": first, "samples_per_s": rate, "rss_mib": 500.0}
+    run = lambda first, rate, gpu=None: {"first_step_s": first, "samples_per_s": rate, "rss_mib": 500.0, "gpu_mib": gpu}
     table = report({"torchrun": [run(5, 100), run(7, 100)], "raytrain fresh Ray": [run(12, 98), run(14, 99)]})
     fresh = table.splitlines()[2].split()
-    assert fresh[3:7] == ["13.0", "2.17", "98.5", "0.985"]
+    assert fresh[3:9] == ["13.0", "2.17", "98.5", "0.985", "500", "-"]  # no GPU memory on CPU
+    table = report({"torchrun": [run(5, 100, 1000.0)], "raytrain fresh Ray": [run(12, 98, 1100.0)]})
+    assert table.splitlines()[2].split()[8] == "1100"
 
 
 @pytest.mark.e2e
