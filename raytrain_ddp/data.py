@@ -18,17 +18,19 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
-from torchvision.transforms import v2
 
 from raytrain_ddp import formats
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.formats import BadSample, Layout, Samples
+
+if TYPE_CHECKING:  # torchvision takes seconds to import: only where a worker transforms images
+    from torchvision.transforms import v2
 
 SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are 0."""
@@ -88,6 +90,8 @@ RECIPES: dict[str, Recipe] = {
 
 def augmentation(train: bool, image_size: int, native_size: int | None, flip: bool) -> v2.Transform:
     """uint8 CHW image -> uint8 CHW image of side image_size: the random, per-sample part."""
+    from torchvision.transforms import v2
+
     if native_size is None:  # photos of any size: a random region for training, the centre for val
         steps = (
             [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0), antialias=True)]
@@ -105,6 +109,8 @@ def augmentation(train: bool, image_size: int, native_size: int | None, flip: bo
 
 def normalization(recipe: Recipe) -> v2.Transform:
     """uint8 image or batch -> float32, normalised per channel."""
+    from torchvision.transforms import v2
+
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(recipe.mean, recipe.std)])
 
 
@@ -218,6 +224,8 @@ def data_root(cfg: TrainConfig) -> Path:
 
 def prepare(cfg: TrainConfig, layout: Layout) -> Data:
     """Split, cap and wrap a dataset read from disk with its transforms."""
+    from torchvision.transforms import v2
+
     train, val = split(cfg, layout)
     recipe = RECIPES.get(layout.source, RECIPES["imagefolder"])
     shape = (layout.channels, cfg.image_size, cfg.image_size)

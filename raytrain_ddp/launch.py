@@ -218,6 +218,14 @@ def check_writable(run_dir: Path) -> None:
         ) from None
 
 
+def train_entry(loop_config: dict[str, Any]) -> None:
+    """What TorchTrainer ships to the workers: a reference to this light module, so the driver never
+    imports the worker loop (torch and friends take seconds to import on the critical path)."""
+    from raytrain_ddp.loop import train_loop
+
+    train_loop(loop_config)
+
+
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary."""
     from raytrain_ddp import data
@@ -236,13 +244,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     from ray.train.torch import TorchTrainer
 
-    from raytrain_ddp.loop import train_loop
     from raytrain_ddp.metrics import MetricsSink
 
     scaling, run_config, torch_config = trainer_configs(cfg)
     sink = MetricsSink.remote()
     trainer = TorchTrainer(
-        train_loop,
+        train_entry,
         train_loop_config={"config": cfg.to_dict(), "sink": sink},
         scaling_config=scaling,
         run_config=run_config,
