@@ -217,8 +217,10 @@ def connect_ray(address: str | None, cpus: int) -> None:
     else:  # a private Ray with the CPU budget the DataLoader paths get as workers
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR",
                  log_to_driver=False, _temp_dir=os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}"))
+    import ray.data  # first: importing it sets up its loggers
+
+    logging.getLogger("ray.data").setLevel(logging.ERROR)  # then: turning the bars off logs a warning
     ray.data.DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 def table(report: dict[str, Any]) -> str:
