@@ -173,24 +173,13 @@ def synthetic(cfg: TrainConfig) -> Data:
     return Data(make(train_size, 0), make(val_size, 1), in_channels=3)
 
 
-def mnist(cfg: TrainConfig) -> Data:
-    return prepare(cfg, formats.read_mnist(data_root(cfg)))
-
-
-def cifar10(cfg: TrainConfig) -> Data:
-    return prepare(cfg, formats.read_cifar10(data_root(cfg)))
-
-
-def tinyimagenet(cfg: TrainConfig) -> Data:
-    return prepare(cfg, formats.read_tinyimagenet(data_root(cfg)))
-
-
-def imagefolder(cfg: TrainConfig) -> Data:
-    return prepare(cfg, formats.read_imagefolder(data_root(cfg)))
+def from_files(cfg: TrainConfig) -> Data:
+    """A dataset in --data-dir, read by its format's reader (READERS)."""
+    return prepare(cfg, READERS[cfg.dataset](data_root(cfg)))
 
 
 def parquet(cfg: TrainConfig) -> Data:
-    data = prepare(cfg, formats.read_parquet(data_root(cfg)))
+    data = from_files(cfg)
     # Load the image bytes now, in this process, so DataLoader workers share them after fork.
     for split in (data.train, data.val):
         split.samples.load_images()
@@ -199,10 +188,10 @@ def parquet(cfg: TrainConfig) -> Data:
 
 DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
     "synthetic": synthetic,
-    "mnist": mnist,
-    "cifar10": cifar10,
-    "tinyimagenet": tinyimagenet,
-    "imagefolder": imagefolder,
+    "mnist": from_files,
+    "cifar10": from_files,
+    "tinyimagenet": from_files,
+    "imagefolder": from_files,
     "parquet": parquet,
 }
 

@@ -87,11 +87,17 @@ def assert_refused(proc, *fragments, within_s=None, started=None):
         (["--dataset", "nope"], ["unknown --dataset 'nope'", "synthetic"]),
         (["--address", "127.0.0.1:1"], ["no Ray cluster answers at 127.0.0.1:1"]),
         (["--address", "auto"], ["--address auto"]),
+        (["--dataset", "cifar10"], ["pass --data-dir DIR"]),
+        (["--dataset", "mnist", "--data-dir", "{tmp}/missing"], ["not found in {tmp}/missing", "--download"]),
+        (["--dataset", "imagefolder", "--data-dir", "{tmp}"], ["{tmp} is empty", "<class>/<image>.jpg"]),
+        (["--loader", "ray"], ["--loader ray reads Parquet shards", "raytrain data convert"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, fragments, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in args]
+    fragments = [f.format(tmp=tmp_path) for f in fragments]
     started = time.monotonic()
-    proc = raytrain("run", *args, "--storage-path", str(tmp_path), timeout=60)
+    proc = raytrain("run", *args, "--storage-path", str(tmp_path / "runs"), timeout=60)
     assert_refused(proc, *fragments, within_s=60, started=started)
 
 
