@@ -173,7 +173,10 @@ def assert_cleaned_up(lab: Lab, job_id: str, restarts: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    up = subprocess.run([str(TESTBED), "up"], capture_output=True, text=True)
+    # The nodes' /tmp is private: a checkout or venv under /tmp (as in CI) is shared back explicitly.
+    share = f"{REPO}:{sys.prefix}"
+    up = subprocess.run([str(TESTBED), "up"], capture_output=True, text=True,
+                        env={**os.environ, "SLURM_LAB_SHARE": share})
     if up.returncode != 0:
         pytest.fail(f"testbed up failed:\n{up.stdout}\n{up.stderr}")
     conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)

@@ -11,7 +11,9 @@
 # (hostname nI) and a mount namespace with a private /etc/hosts, /etc/resolv.conf
 # and /tmp. The private /tmp makes the nodes behave like real ones: node-local
 # scratch, so two nodes never share a Ray temp dir by accident. Everything else
-# (the repository, the venv, LAB) is shared, like a cluster's shared filesystem.
+# (the repository, the venv, LAB) is shared, like a cluster's shared filesystem;
+# a repository or venv that lives under /tmp is bind-mounted back into each
+# node's private /tmp (SLURM_LAB_SHARE).
 #
 # Needs root, iproute2, util-linux (nsenter, unshare) and Debian's Slurm:
 #   apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge
@@ -31,6 +33,8 @@ CTLD_PORT=${SLURM_LAB_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_LAB_SLURMD_PORT:-6818}
 UP_TIMEOUT=${SLURM_LAB_UP_TIMEOUT:-60}       # seconds to wait for all nodes idle
 CRED_EXPIRE=${SLURM_LAB_CRED_EXPIRE:-20}     # step credential lifetime; a requeued job waits this + 1 s
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SHARE=${SLURM_LAB_SHARE:-$REPO_ROOT${VIRTUAL_ENV:+:$VIRTUAL_ENV}}  # host paths the nodes must see, ':'-separated
 
 CONF="$LAB/slurm.conf"
 NS_PREFIX=sl-                                # netns names: sl-n1, sl-n2, ...
@@ -168,19 +172,47 @@ start_daemons() {
         slurmctld -f "$CONF"
     fi
     local i ns
+    local -a under_tmp
+    mapfile -t under_tmp < <(shares_under_tmp)
     for ((i = 1; i <= NODES; i++)); do
         pid_alive "$LAB/slurmd.n$i.pid" && continue
         ns="${NS_PREFIX}n$i"
         # Not `ip netns exec`: it remounts /sys and slurmd then fails with
         # "No filesystem mounted on /sys/fs/cgroup". nsenter joins only the netns.
+        # Shared paths under /tmp are bound aside first, then back on top of the
+        # private /tmp. unshare's mounts are private: the host sees none of them.
         # shellcheck disable=SC2016  # $1.. expand in the inner sh, on purpose
         nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c '
-            mount --bind "$1/etc/hosts" /etc/hosts &&
-            mount --bind "$1/etc/resolv.conf" /etc/resolv.conf &&
-            mount --bind "$1/nodes/$2/tmp" /tmp &&
-            hostname "$2" &&
-            exec slurmd -f "$3" -N "$2"' sh "$LAB" "n$i" "$CONF"
+            lab=$1 node=$2 conf=$3
+            shift 3
+            mount --bind "$lab/etc/hosts" /etc/hosts &&
+                mount --bind "$lab/etc/resolv.conf" /etc/resolv.conf || exit 1
+            k=0
+            for p in "$@"; do
+                k=$((k + 1))
+                mkdir -p "$lab/nodes/$node/share/$k" && mount --bind "$p" "$lab/nodes/$node/share/$k" || exit 1
+            done
+            mount --bind "$lab/nodes/$node/tmp" /tmp || exit 1
+            k=0
+            for p in "$@"; do
+                k=$((k + 1))
+                mkdir -p "$p" && mount --bind "$lab/nodes/$node/share/$k" "$p" || exit 1
+            done
+            hostname "$node" && exec slurmd -f "$conf" -N "$node"' sh "$LAB" "n$i" "$CONF" "${under_tmp[@]}"
     done
+}
+
+# The SHARE paths that a private /tmp would hide from the nodes.
+shares_under_tmp() {
+    local p real
+    local -a paths
+    IFS=: read -ra paths <<<"$SHARE"
+    for p in "${paths[@]}"; do
+        [[ -n $p && -d $p ]] || continue
+        real=$(readlink -f "$p")
+        [[ $real == /tmp/* ]] && echo "$real"
+    done
+    return 0
 }
 
 # Stops a daemon by the PID in its pid file, never by name: other Slurm or
