@@ -551,10 +551,12 @@ def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
     formats.parquet_files(root, manifest, name)  # all there?
     # The split's folder, not its file list: Ray 2.60 given a list of local paths fails to import
     # fsspec's HTTPFileSystem when aiohttp is missing. include_paths names the shard in error
-    # messages; shuffle="files" reads the shards in a new order every epoch.
+    # messages. The training shards are read in a new order every epoch (Ray Data reseeds the file
+    # shuffle per execution), drawn from --seed so that runs repeat.
+    shuffle = ray.data.FileShuffleConfig(seed=cfg.seed, reseed_after_execution=True) if train else None
     ds = ray.data.read_parquet(
         str(root / name), columns=["image", "label", "source"], include_paths=True,
-        shuffle="files" if train else None, num_cpus=READ_CPUS,
+        shuffle=shuffle, num_cpus=READ_CPUS,
     )
     # Ray Data packs up to 128 MiB of files into one read task, and would run the decode fused
     # into it: one core for all of CIFAR-10. A different CPU request keeps decoding a separate
