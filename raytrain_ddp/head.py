@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ class Head:
     address: str
     env: dict[str, str]
     """Environment for a driver of this cluster: RAY_ADDRESS and its token."""
+    dashboard_url: str | None = None
+    """http://127.0.0.1:PORT of the dashboard and Jobs API, where asked for."""
 
 
 def free_port() -> int:
@@ -36,7 +40,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_head(num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus: int = 0) -> Iterator[Head]:
+def local_head(
+    num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus: int = 0, dashboard: bool = False
+) -> Iterator[Head]:
+    """A head on 127.0.0.1 with its own token; with `dashboard`, the Jobs API too (ray[default])."""
     # A short temp dir: Ray's socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     os.chmod(tmp, 0o700)
@@ -62,14 +69,21 @@ def local_head(num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus:
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop in ~2 s, not 30
         **(extra_env or {}),
     }
-    env.pop("RAY_ADDRESS", None)
+    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
+    web: list[str] = []
+    if dashboard:
+        web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}"]
+        env["AUTOSCALER_METRIC_PORT"], env["DASHBOARD_METRIC_PORT"] = str(free_port()), str(free_port())
+        # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
             "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
-            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
+            *(web or ["--include-dashboard=false"]), "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -79,7 +93,11 @@ def local_head(num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus:
     address = f"127.0.0.1:{port}"
     try:
         wait_for_port("127.0.0.1", port, proc, timeout_s=90)
-        yield Head(address=address, env={**env, "RAY_ADDRESS": address})
+        url = None
+        if dashboard:
+            url = f"http://127.0.0.1:{web[-1].split('=')[1]}"
+            wait_for_dashboard(url, proc, timeout_s=120)
+        yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -100,3 +118,19 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"Ray head did not listen on {host}:{port} within {timeout_s} s")
+
+
+def wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Up once it answers at all: 401 without a token is an answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the Ray dashboard did not answer at {url} within {timeout_s} s")

@@ -8,19 +8,10 @@ The e2e tests share one module head started with `ray start --head --block` and 
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import shlex
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,7 +19,7 @@ import pytest
 import typer.main
 import yaml
 
-from conftest import REPO, TINY, raytrain
+from conftest import REPO, TINY, free_port, local_head, raytrain
 from raytrain_ddp import submit
 from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
@@ -138,85 +129,15 @@ class DashboardHead:
     """A client's environment: the head's token, and no RAY_ADDRESS of its own."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dashboard_head():
     try:
         import aiohttp  # noqa: F401  the dashboard and the Jobs client come with ray[default]
     except ImportError:
         pytest.fail("these tests need the Ray dashboard and Jobs client: pip install 'ray[default]'")
-    # A short temp dir: Ray's socket paths must stay under 107 bytes.
-    tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))
-    os.chmod(tmp, 0o700)
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(32))
-    os.chmod(token, 0o600)
-    port, dashboard = free_port(), free_port()
-    # Every port explicit: with defaults, heads running side by side clash on the agent's ports.
-    ports = {
-        "node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
-        "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-        "ray-client-server-port",  # ray[default] brings the Ray Client server, on 10001 by default
-    }
-    env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-        "AUTOSCALER_METRIC_PORT": str(free_port()),
-        "DASHBOARD_METRIC_PORT": str(free_port()),
-        # The job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
-        env.pop(key, None)
-    head = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-            f"--port={port}", "--node-ip-address=127.0.0.1",
-            f"--num-cpus={HEAD_CPUS}", "--num-gpus=0", "--object-store-memory=200000000",
-            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-            *(f"--{flag}={free_port()}" for flag in sorted(ports)),
-            "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        wait_for_dashboard(url, head, timeout_s=120)
-        yield DashboardHead(url=url, env=env)
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Up once it answers at all: 401 without a token is an answer."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"{url}/api/version", timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the Ray dashboard did not answer at {url} within {timeout_s} s")
+    with local_head(num_cpus=HEAD_CPUS, dashboard=True) as head:
+        env = {k: v for k, v in head.env.items() if k != "RAY_ADDRESS"}
+        yield DashboardHead(url=head.dashboard_url, env=env)
 
 
 @pytest.mark.e2e
