@@ -71,9 +71,11 @@ def local_head(
     }
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
-    web: list[str] = []
+    url, web = None, ["--include-dashboard=false"]
     if dashboard:
-        web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}"]
+        url_port = free_port()
+        url = f"http://127.0.0.1:{url_port}"
+        web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={url_port}"]
         env["AUTOSCALER_METRIC_PORT"], env["DASHBOARD_METRIC_PORT"] = str(free_port()), str(free_port())
         # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -83,7 +85,7 @@ def local_head(
             f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
             "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
-            *(web or ["--include-dashboard=false"]), "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
+            *web, "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -93,9 +95,7 @@ def local_head(
     address = f"127.0.0.1:{port}"
     try:
         wait_for_port("127.0.0.1", port, proc, timeout_s=90)
-        url = None
-        if dashboard:
-            url = f"http://127.0.0.1:{web[-1].split('=')[1]}"
+        if url is not None:
             wait_for_dashboard(url, proc, timeout_s=120)
         yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url)
     finally:
