@@ -18,8 +18,8 @@ import typer
 
 from raytrain_ddp import launch, submit
 from raytrain_ddp.bench_data import data_command
-from raytrain_ddp.convert import data_app
 from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
+from raytrain_ddp.convert import data_app
 
 app = typer.Typer(
     help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
