@@ -312,6 +312,23 @@ while :; do sleep 0.2; done
 """
 
 
+def hold_port(node: str, port: int, seconds: int, reuse_addr: bool = False, tag: str = "") -> subprocess.Popen:
+    """A process in `node`'s network namespace listening on `port` with SO_REUSEPORT, as Ray's
+    gRPC servers do (and SO_REUSEADDR if asked); `tag` is a VAR=value in its environment.
+    Returns once it listens."""
+    options = ["SO_REUSEPORT"] + (["SO_REUSEADDR"] if reuse_addr else [])
+    code = (
+        "import socket, time; s = socket.socket(); "
+        + "".join(f"s.setsockopt(socket.SOL_SOCKET, socket.{o}, 1); " for o in options)
+        + f"s.bind(('', {port})); s.listen(); print('listening', flush=True); time.sleep({seconds})"
+    )
+    holder = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/sl-{node}", "env", *([tag] if tag else []), sys.executable, "-c", code],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "listening"
+    return holder
+
+
 def write(lab: Lab, name: str, text: str) -> None:
     (lab.work / name).write_text(text)
 
@@ -404,14 +421,8 @@ def test_taken_port_fails_the_job_naming_node_and_port(lab: Lab) -> None:
     # Another process on n2 listens on the job's node-manager port, with SO_REUSEPORT as Ray's
     # gRPC servers do: without the bind probe both would bind and share it silently.
     base = 30000
-    holder = subprocess.Popen(
-        ["nsenter", "--net=/run/netns/sl-n2", sys.executable, "-c",
-         "import socket, time; s = socket.socket(); "
-         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
-         f"s.bind(('', {base + 1})); s.listen(); print('listening', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
+    holder = hold_port("n2", base + 1, seconds=120)
     try:
-        assert holder.stdout.readline().strip() == "listening"
         job_id = lab.submit("true", sbatch_flags=("--nodes=2",), env={"RAY_PORT_BASE": str(base)})
         job = lab.wait(job_id, timeout=60)
     finally:
@@ -513,16 +524,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
     # SO_REUSEPORT, as Ray's gRPC servers do, and SO_REUSEADDR past the first run's TIME_WAIT
     # connections). The restarted run must sweep it, not clash with it.
     base = int(re.search(r"Ray ports from (\d+)", lab.log(job_id)).group(1))
-    leftover = subprocess.Popen(
-        ["nsenter", "--net=/run/netns/sl-n2", "env", f"RAYTRAIN_RAY_NODE=/tmp/rt-{job_id}",
-         sys.executable, "-c",
-         "import socket, time; s = socket.socket(); "
-         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1); "
-         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-         f"s.bind(('', {base + 1})); s.listen(); print('listening', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
+    leftover = hold_port("n2", base + 1, seconds=600, reuse_addr=True, tag=f"RAYTRAIN_RAY_NODE=/tmp/rt-{job_id}")
     try:
-        assert leftover.stdout.readline().strip() == "listening"
         job = lab.wait(job_id, timeout=480, start=start)
         swept = leftover.poll()
     finally:
