@@ -20,6 +20,7 @@ from raytrain_ddp import launch, submit
 from raytrain_ddp.bench_data import data_command
 from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
 from raytrain_ddp.convert import data_app
+from raytrain_ddp.script import LAUNCH_FIELDS
 
 app = typer.Typer(
     help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
@@ -39,20 +40,23 @@ FLAG_DECLS: dict[str, list[str]] = {
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
-def train_options(command: Callable[..., Any] | None = None, *, own_flags: tuple[str, ...] = ()):
+def train_options(
+    command: Callable[..., Any] | None = None, *, own_flags: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+):
     """Give `command(cfg, ...)` one option per TrainConfig field, plus --config.
 
     Options left out arrive as None, so config.resolve lets the flags the user typed override the
     config file, and the file override the defaults. Fields in `own_flags` are the command's own
-    (e.g. scale's --workers 1,2,4).
+    (e.g. scale's --workers 1,2,4); with `only`, the command takes just those fields (and no --config).
     """
     if command is None:
-        return functools.partial(train_options, own_flags=own_flags)
+        return functools.partial(train_options, own_flags=own_flags, only=only)
     own = list(inspect.signature(command).parameters.values())[1:]  # all but cfg
     docs = field_docs()
+    taken = [f.name for f in fields(TrainConfig) if f.name not in own_flags and (only is None or f.name in only)]
     generated = []
     for f in fields(TrainConfig):
-        if f.name in own_flags:
+        if f.name not in taken:
             continue
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
         default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
@@ -69,12 +73,12 @@ def train_options(command: Callable[..., Any] | None = None, *, own_flags: tuple
         default=typer.Option(None, "--config", help="YAML or TOML file of the same keys; flags override it."),
         annotation=Optional[Path],
     )
-    params = own + [config_file] + generated
+    params = own + ([config_file] if only is None else []) + generated
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        flags = {f.name: kwargs.pop(f.name) for f in fields(TrainConfig) if f.name not in own_flags}
-        cfg = resolve(kwargs.pop("config"), flags)
+        flags = {name: kwargs.pop(name) for name in taken}
+        cfg = resolve(kwargs.pop("config", None), flags)
         return command(cfg, **kwargs)
 
     del wrapper.__wrapped__  # typer must see the generated signature, not the original one
@@ -121,6 +125,29 @@ def scale(
     from raytrain_ddp.scale import parse_sizes, scale as run_scale
 
     run_scale(cfg, parse_sizes(workers))
+
+
+@app.command("launch", context_settings={"allow_interspersed_args": False})
+@train_options(only=LAUNCH_FIELDS)
+def launch_command(
+    cfg: TrainConfig,
+    script: str = typer.Argument(..., metavar="SCRIPT.py|MODULE", help="The training script (or module, with -m)."),
+    args: Optional[list[str]] = typer.Argument(None, metavar="[SCRIPT_ARGS]...", help="Passed to the script untouched."),
+    module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, as `python -m` does."),
+    show_ranks: str = typer.Option(
+        "0", "--show-ranks", help="Ranks whose output this terminal shows: 0, 0,3 or all. Every rank's goes to logs/rank-N.log."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what each rank would run and Ray's configs; start nothing."),
+    debug: bool = DEBUG,
+) -> None:
+    """Run a torchrun-style script on N Ray workers: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set.
+
+    Options go before the script; everything after it is the script's. Exit status: the first
+    failing rank's, 75 when a signal stopped every rank cleanly, else 0.
+    """
+    from raytrain_ddp.script import find_target, launch as run_script
+
+    raise typer.Exit(run_script(cfg, find_target(script, module, args or []), show_ranks, dry_run))
 
 
 submit.register(app, train_options, DEBUG)  # submit, status, logs, stop: Ray Jobs on a running cluster

@@ -33,8 +33,9 @@ def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
     return cfg, storage / cfg.name
 
 
-def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
+def trainer_configs(cfg: TrainConfig, code: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer; `code` is the
+    runtime_env part that ships the user's code (shipping.Placement.runtime_env)."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -52,7 +53,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.max_failures),
-        worker_runtime_env=worker_env(),
+        worker_runtime_env=worker_env(code),
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, TorchConfig(backend=cfg.resolved_backend)
@@ -63,12 +64,13 @@ PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
 
 
-def worker_env() -> dict[str, Any] | None:
+def worker_env(code: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The workers' runtime_env: only when there is something to pass, because any runtime_env
     keeps Ray from handing the workers its pre-started processes (seconds at startup). Ray sets
     OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    return {"env_vars": env} if env else None
+    runtime_env = {**({"env_vars": env} if env else {}), **(code or {})}
+    return runtime_env or None
 
 
 def dry_run(cfg: TrainConfig) -> None:
