@@ -49,9 +49,12 @@ class TrainConfig:
 
     # --- model and data ---
     model: str = "convnet"
-    """Model name: see `raytrain_ddp.models.MODELS` (convnet, resnet18, resnet50)."""
+    """Model: convnet, resnet18, resnet50, or your own as PKG.MODULE:CALLABLE, called as
+    CALLABLE(num_classes=, in_channels=) and returning an nn.Module."""
     dataset: str = "synthetic"
-    """Dataset name: see `raytrain_ddp.data.DATASETS`."""
+    """Dataset: synthetic, mnist, cifar10, tinyimagenet, imagefolder, parquet, or your own as
+    PKG.MODULE:CALLABLE, called as CALLABLE(split="train"|"val", data_dir=, image_size=) and returning a
+    map-style Dataset of (input tensor, class index)."""
     data_dir: str | None = None
     """Directory that holds the dataset's files (real datasets only)."""
     image_size: int = 32
@@ -59,9 +62,9 @@ class TrainConfig:
     num_classes: int = 10
     """Number of classes; real datasets must have labels below it."""
     train_samples: int = 4096
-    """Synthetic train-set size; for real datasets a cap on samples used (0 = all)."""
+    """Synthetic train-set size; for the built-in real datasets a cap on samples used (0 = all)."""
     val_samples: int = 1024
-    """Synthetic validation-set size; for real datasets a cap on samples used (0 = all)."""
+    """Synthetic validation-set size; for the built-in real datasets a cap on samples used (0 = all)."""
     data_workers: int = 2
     """DataLoader worker processes per training worker (0 = load in the training process)."""
     loader: str = "torch"
@@ -90,6 +93,9 @@ class TrainConfig:
     """LR schedule per epoch: none, step (x0.1 at 50% and 75% of epochs) or cosine."""
     amp: bool = True
     """Mixed precision on GPU: bf16 where supported, else fp16 with a GradScaler. Ignored on CPU."""
+    find_unused_parameters: bool = False
+    """Let DDP find parameters that get no gradient on a step (a model whose forward skips layers
+    or branches); costs a graph walk per step. Built-in models never need it."""
     compile: bool = False
     """torch.compile the model: a compile of a minute or so on each worker, then faster steps (GPU)."""
     seed: int = 0

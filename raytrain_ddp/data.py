@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from raytrain_ddp import formats
+from raytrain_ddp import formats, plugins
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.formats import BadSample, Layout, Samples
 
@@ -205,6 +205,38 @@ READERS: dict[str, Callable[[Path], Layout]] = {
 """The datasets read from --data-dir."""
 
 
+def dataset_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[[TrainConfig], Data]:
+    """The builder for --dataset: a registry name, an import path, or a callable given by the Python API."""
+    if given is None and not plugins.is_import_path(name):
+        return DATASETS[name]
+    return functools.partial(user_dataset, name, given or plugins.load(name, "--dataset"))
+
+
+def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data:
+    """The user's CALLABLE(split=, data_dir=, image_size=), called for "train" and "val", checked.
+
+    Used whole: --train-samples/--val-samples size the synthetic set and cap the built-in ones; a
+    builder that wants fewer samples returns fewer."""
+    splits = []
+    for split_name in ("train", "val"):
+        ds = build(split=split_name, data_dir=cfg.data_dir, image_size=cfg.image_size)
+        if not (isinstance(ds, Dataset) and hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise ConfigError(
+                f"--dataset {name} returned a {type(ds).__name__} for split={split_name!r}; return a map-style "
+                "torch.utils.data.Dataset (with __len__ and __getitem__) of (input tensor, class index) pairs"
+            )
+        if len(ds) == 0:
+            raise ConfigError(f"--dataset {name} returned an empty {split_name} split")
+        splits.append(ds)
+    first = splits[0][0]
+    if not (isinstance(first, (tuple, list)) and len(first) == 2 and torch.is_tensor(first[0]) and first[0].dim() >= 1):
+        raise ConfigError(
+            f"--dataset {name}: a sample must be (input tensor of 1 or more dimensions, class index); "
+            f"got {type(first).__name__}"
+        )
+    return Data(splits[0], splits[1], in_channels=int(first[0].shape[0]))
+
+
 def data_root(cfg: TrainConfig) -> Path:
     if not cfg.data_dir:
         raise ConfigError(f"--dataset {cfg.dataset} reads files: pass --data-dir DIR")
@@ -261,12 +293,17 @@ def validate(cfg: TrainConfig) -> None:
 
     With --download, fetches a dataset first if it is not already in --data-dir.
     """
-    if cfg.dataset not in DATASETS:
-        raise ConfigError(f"unknown --dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
+    if plugins.is_import_path(cfg.dataset):
+        plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
+    elif cfg.dataset not in DATASETS:
+        raise ConfigError(
+            f"unknown --dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}, or give your own as "
+            "PKG.MODULE:CALLABLE"
+        )
     if cfg.loader == "ray" and cfg.dataset != "parquet":
         how = f"`raytrain data convert SRC DST --format {cfg.dataset}`" if cfg.dataset in READERS else "`raytrain data convert`"
         raise ConfigError(f"--loader ray reads Parquet shards: write them with {how}, then pass --dataset parquet --data-dir DST")
-    if cfg.dataset == "synthetic":
+    if cfg.dataset == "synthetic" or plugins.is_import_path(cfg.dataset):
         return
     if cfg.download and cfg.dataset not in DOWNLOADS:
         raise ConfigError(f"--dataset {cfg.dataset} has no public source to download; drop --download")
@@ -431,7 +468,9 @@ class EpochSampler(Sampler[int]):
         return max(len(self.sampler) - self.start, 0)
 
 
-def make_loaders(cfg: TrainConfig, rank: int, world_size: int, cuda: bool) -> Loaders:
+def make_loaders(
+    cfg: TrainConfig, rank: int, world_size: int, cuda: bool, build: Callable[[TrainConfig], Data] | None = None
+) -> Loaders:
     """This rank's train and val batches, from either ingest path.
 
     Training shards are disjoint and of equal length on every rank: the torch path repeats the
@@ -442,7 +481,7 @@ def make_loaders(cfg: TrainConfig, rank: int, world_size: int, cuda: bool) -> Lo
     """
     if cfg.loader == "ray":
         return ray_loaders(cfg, world_size)
-    data = DATASETS[cfg.dataset](cfg)
+    data = (build or dataset_builder(cfg.dataset))(cfg)
     shards = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
     sampler = EpochSampler(shards, cfg.batch_size)
     common = dict(

@@ -223,36 +223,76 @@ def check_writable(run_dir: Path) -> None:
 def train_entry(loop_config: dict[str, Any]) -> None:
     """What TorchTrainer ships to the workers: a reference to this light module, so the driver never
     imports the worker loop (torch and friends take seconds to import on the critical path)."""
+    sys.path[:0] = [p for p in loop_config["code_paths"] if p not in sys.path]  # the user's modules
     from raytrain_ddp.loop import train_loop
 
-    train_loop(loop_config)
+    try:
+        train_loop(loop_config)
+    except RuntimeError as err:
+        if "find_unused_parameters" not in str(err):
+            raise
+        # DDP's own message is a page long and names its Python argument, not our flag.
+        name = loop_config["config"]["model"]
+        raise ConfigError(
+            f"--model {name} has parameters that got no gradient on a step (a layer its forward "
+            "skipped), which DDP cannot all-reduce; pass --find-unused-parameters"
+        ) from None
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train, write metrics.csv and summary.json, and return the summary."""
-    from raytrain_ddp import data
-    from raytrain_ddp.models import MODELS
+def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
+    """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
+    that ship them), after importing each here first so a broken one fails in one line."""
+    from raytrain_ddp import plugins, shipping
+
+    specs = [s for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")]
+    sources = {plugins.source(s) for s in specs}
+    roots = {root for _, root in sources}
+    placements = [shipping.place(file, root) for file, root in sources]
+    if all(p.shared for p in placements):
+        for p in placements:
+            print(f"importing {', '.join(specs)} from {p.directory} on the workers ({p.describe()})")
+        return sorted(str(r) for r in roots), {}
+    if len(roots) > 1:
+        raise ConfigError(
+            f"--model and --dataset come from two directories ({', '.join(map(str, sorted(roots)))}) that the "
+            "nodes do not share; put both modules in one directory, or on storage every node mounts"
+        )
+    shipped = next(p for p in placements if not p.shared)
+    print(f"--model/--dataset modules: {shipped.describe()}")
+    return ["."], shipped.runtime_env()  # Ray unpacks the copy as the worker's working directory
+
+
+def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
+    """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
+    (the Python API) override cfg's: a name, an import path, or a callable."""
+    from raytrain_ddp import data, plugins
+    from raytrain_ddp.models import model_builder
 
     started = time.time()
-    if cfg.model not in MODELS:
-        raise ConfigError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
-    data.validate(cfg)
+    (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
+    cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
+    given = {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
+    if "model" not in given:
+        model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
+    if "dataset" not in given:
+        data.validate(cfg)
     cfg, run_dir = resolve_run(cfg)
     if not cfg.resume:
         start_fresh(run_dir)
     check_writable(run_dir)
     connect(cfg)
     preflight(cfg)
+    code_paths, code_env = user_code(cfg)
 
     from ray.train.torch import TorchTrainer
 
     from raytrain_ddp.metrics import MetricsSink
 
-    scaling, run_config, torch_config = trainer_configs(cfg)
+    scaling, run_config, torch_config = trainer_configs(cfg, code_env)
     sink = MetricsSink.remote()
     trainer = TorchTrainer(
         train_entry,
-        train_loop_config={"config": cfg.to_dict(), "sink": sink},
+        train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": given, "code_paths": code_paths},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=torch_config,

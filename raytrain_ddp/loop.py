@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.data import make_loaders
-from raytrain_ddp.models import MODELS
+from raytrain_ddp.data import dataset_builder, make_loaders
+from raytrain_ddp.models import MODELS, model_builder
 
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""
@@ -35,6 +35,7 @@ non-finite loss). A fixed step count, so every rank checks at the same step."""
 def train_loop(loop_config: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
     sink = loop_config["sink"]  # the driver's MetricsSink actor
+    given = loop_config.get("given", {})  # the Python API's model and dataset callables, if any
 
     # [1] The rank: threads, seed, device, and who runs where.
     ctx = ray.train.get_context()
@@ -51,21 +52,17 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         dist.all_gather_object(ranks, where)
 
     # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
-    loaders = make_loaders(cfg, rank, world_size, cuda)
+    loaders = make_loaders(cfg, rank, world_size, cuda, dataset_builder(cfg.dataset, given.get("dataset")))
 
     # [3] Model, optimizer, schedule, mixed precision.
-    model = MODELS[cfg.model](cfg.num_classes, loaders.in_channels)
+    model = model_builder(cfg.model, given.get("model"))(num_classes=cfg.num_classes, in_channels=loaders.in_channels)
     if cuda:
-        model = model.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)  # moves only 4-D (conv) weights
     if cfg.compile:
         # In place, before DDP: the state dict keeps its keys, and Dynamo never traces DDP's own
         # forward (its buffer broadcast breaks the graph, and the step would silently run eager).
         model.compile()
-    # Gradients live in DDP's all-reduce buckets (no copy), and the graph is static: every
-    # parameter gets a gradient every step, so DDP may skip its per-step search for unused ones.
-    model = ray.train.torch.prepare_model(
-        model, parallel_strategy_kwargs={"gradient_as_bucket_view": True, "static_graph": True}
-    )
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg))
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer)
     amp_dtype = None
@@ -135,14 +132,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         bad_step = torch.zeros((), dtype=torch.float64, device=device)
         tick = step_end = time.perf_counter()
         last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
-        for step, (images, labels) in enumerate(loaders.train, start=skip + 1):
+        for step, (inputs, labels) in enumerate(loaders.train, start=skip + 1):
             data_wait += time.perf_counter() - step_end
-            images = images.to(device, non_blocking=True)
+            inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            if cuda:
-                images = images.contiguous(memory_format=torch.channels_last)
+            if cuda and inputs.dim() == 4:  # images; flat vectors and sequences stay as they are
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)
+                logits = model(inputs)
                 loss = F.cross_entropy(logits, labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -210,6 +207,18 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             return
 
 
+def ddp_options(cfg: TrainConfig) -> dict[str, Any]:
+    """Gradients live in DDP's all-reduce buckets (no copy). Our own models use every parameter on
+    every step, so their graph is static and DDP may skip its per-step search for unused ones; a
+    user's model may skip a layer on some steps, so it gets DDP's safe defaults, or the search."""
+    options: dict[str, Any] = {"gradient_as_bucket_view": True}
+    if cfg.find_unused_parameters:
+        options["find_unused_parameters"] = True
+    elif cfg.model in MODELS:
+        options["static_graph"] = True
+    return options
+
+
 def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> bool:
     """All ranks learn, at the same step, whether the driver asked to stop; a NaN loss raises."""
     asked = rank == 0 and ray.get(sink.stop_requested.remote())
@@ -242,11 +251,11 @@ def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: in
 def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for images, labels in loader:
-        images = images.to(device, non_blocking=True)
+    for inputs, labels in loader:
+        inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
+            logits = model(inputs)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         n = torch.tensor(len(labels), device=device)
         sums += torch.stack([loss, (logits.argmax(1) == labels).sum(), n]).double()

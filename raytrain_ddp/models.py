@@ -1,10 +1,14 @@
-"""Model registry: a plain dict from name to a builder taking (num_classes, in_channels)."""
+"""Model registry: a plain dict from name to a builder taking (num_classes, in_channels); or the
+user's own builder by import path (plugins.py), called the same way."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
+
+from raytrain_ddp import plugins
+from raytrain_ddp.config import ConfigError
 
 
 def convnet(num_classes: int, in_channels: int) -> nn.Module:
@@ -48,3 +52,20 @@ MODELS: dict[str, Callable[[int, int], nn.Module]] = {
     "resnet18": _torchvision("resnet18"),
     "resnet50": _torchvision("resnet50"),
 }
+
+
+def model_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[..., nn.Module]:
+    """The builder for --model: a registry name, an import path, or a callable given by the Python API."""
+    if given is None and not plugins.is_import_path(name):
+        if name not in MODELS:
+            raise ConfigError(f"unknown --model {name!r}; choose one of {', '.join(MODELS)}, or give your own as PKG.MODULE:CALLABLE")
+        return MODELS[name]
+    build = given or plugins.load(name, "--model")
+
+    def checked(num_classes: int, in_channels: int) -> nn.Module:
+        model = build(num_classes=num_classes, in_channels=in_channels)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    return checked

@@ -394,6 +394,49 @@ def test_no_ray_process_or_temp_dir_left(lab: Lab, train_job: Job) -> None:
     assert_cleaned_up(lab, train_job.id)
 
 
+# ---- raytrain launch: an unmodified torchrun-style script ----------------------------------------
+
+
+def test_launch_runs_a_torchrun_script_with_one_rank_per_node(lab: Lab) -> None:
+    # --cpus-per-worker 2 on the 2-CPU nodes: one rank per node, so the script's own gloo group,
+    # DistributedSampler and DDP really cross nodes, at MASTER_ADDR:MASTER_PORT from raytrain.
+    run_dir, out = lab.work / "runs" / "torchrun", lab.work / "torchrun_out"
+    job_id = lab.submit("raytrain", "launch", "--workers", "2", "--cpus-per-worker", "2",
+                        "--storage-path", str(lab.work / "runs"), "--name", "torchrun",
+                        str(REPO / "tests" / "scripts" / "torchrun_train.py"),
+                        "--out", str(out), "--epochs", "1", "--samples", "256",
+                        sbatch_flags=("--nodes=2",))
+    job = lab.wait(job_id, timeout=240)
+    assert job.state == "COMPLETED", job.log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["exit_codes"] == [0, 0], summary
+    assert sorted(summary["nodes"]) == NODES, summary
+    assert sorted(summary["node_ips"]) == ["192.168.77.11", "192.168.77.12"], summary
+
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    envs = [rank["env"] for rank in ranks]
+    assert [env["RANK"] for env in envs] == ["0", "1"]
+    for rank, env in zip(ranks, envs):
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "1" and env["LOCAL_RANK"] == "0", env
+        assert env["GROUP_RANK"] == env["NODE_RANK"], env
+    assert [rank["hostname"] for rank in ranks] == summary["nodes"]
+    assert sorted(env["NODE_RANK"] for env in envs) == ["0", "1"], envs
+    # Every rank meets at rank 0's node, by the address Ray knows it by.
+    assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == summary["node_ips"][0], envs
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"], envs
+    # DistributedSampler split epoch 0 between the ranks: disjoint shards covering every sample.
+    shards = [set(rank["indices"]) for rank in ranks]
+    assert not shards[0] & shards[1]
+    assert shards[0] | shards[1] == set(range(256))
+    assert (out / "model.pt").stat().st_size > 0
+
+    for r in range(2):
+        assert (run_dir / "logs" / f"rank-{r}.log").stat().st_size > 0, job.log
+    assert "[rank0]:" in job.log, job.log
+    assert "raytrain: ranks run in" in job.log, job.log
+    assert_cleaned_up(lab, job_id)
+
+
 # ---- failures --------------------------------------------------------------------------------
 
 

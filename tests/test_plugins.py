@@ -1,0 +1,70 @@
+"""The user's own model and dataset by import path: bad paths fail in one line, good ones train."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, raytrain
+from test_cli import assert_refused
+from raytrain_ddp.metrics import read_csv
+
+USER_CODE = Path(__file__).parent / "scripts" / "user_code.py"
+FLAT = ["--model", "user_code:SkipsOnOdd", "--dataset", "user_code:vectors", "--num-classes", "4"]
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Path:
+    """A directory holding the user's module, which nothing installed can import."""
+    shutil.copy(USER_CODE, tmp_path / "user_code.py")
+    (tmp_path / "broken.py").write_text("import torch\nmodel = undefined_name\n")
+    (tmp_path / "needs_dep.py").write_text("import a_package_nobody_installed\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--model", "no_such_module:build"], ["no module 'no_such_module'", "PYTHONPATH"]),
+        (["--model", "user_code:Nope"], ["user_code has no 'Nope'", "SkipsOnOdd", "vectors"]),
+        (["--model", "broken:model"], ["importing broken failed: NameError", "broken.py line 2"]),
+        (["--dataset", "needs_dep:load"], ["importing needs_dep failed", "a_package_nobody_installed"]),
+        (["--model", "user_code:"], ["is not an import path", "PKG.MODULE:CALLABLE"]),
+        (["--dataset", "user_code:vectors", "--loader", "ray"], ["--loader ray reads Parquet shards"]),
+    ],
+)
+def test_bad_import_path_is_one_line_before_any_worker(user_dir, args, fragments):
+    # No cluster is reachable at this address: the error must come before connecting.
+    proc = raytrain("run", *args, "--address", "127.0.0.1:1", "--storage-path", str(user_dir / "runs"),
+                    cwd=user_dir, timeout=60)
+    assert_refused(proc, *fragments)
+
+
+@pytest.mark.e2e
+def test_user_model_and_dataset_train_on_flat_vectors(ray_head, user_dir):
+    """Not installed, not images, and a layer skipped on odd steps: --find-unused-parameters trains it."""
+    proc = raytrain(
+        "run", *FLAT, "--find-unused-parameters", *TINY, "--epochs", "3", "--lr", "0.1", "--batch-size", "64",
+        "--storage-path", str(user_dir / "runs"), "--name", "flat", env=ray_head.env, cwd=user_dir,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_csv(user_dir / "runs" / "flat" / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"]
+    assert int(rows[0]["samples"]) == 1024  # the user's dataset is used whole, not capped by --train-samples
+    assert float(rows[-1]["val_acc"]) > 0.5  # 4 classes: chance is 0.25
+    summary = json.loads((user_dir / "runs" / "flat" / "summary.json").read_text())
+    assert summary["config"]["model"] == "user_code:SkipsOnOdd"
+
+
+@pytest.mark.e2e
+def test_skipped_layer_without_the_flag_names_the_flag(ray_head, user_dir):
+    proc = raytrain("run", *FLAT, *TINY, "--storage-path", str(user_dir / "runs"), "--name", "static",
+                    env=ray_head.env, cwd=user_dir)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: training failed on rank"), proc.stderr[-3000:]
+    assert "got no gradient" in lines[-1] and "--find-unused-parameters" in lines[-1]
+    assert "Traceback" not in proc.stderr
