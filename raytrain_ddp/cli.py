@@ -244,9 +244,18 @@ def one_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def ours(argv: list[str]) -> list[str]:
+    """The part of the command line that is raytrain's: for `launch` (and `submit ... launch`) the
+    words before the script, since the script's own arguments may hold a --debug of their own."""
+    for i, word in enumerate(argv):
+        if word in ("-m", "--module") or word.endswith(".py"):
+            return argv[:i]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv
+    debug = "--debug" in ours(argv)
     try:
         app(args=argv, prog_name="raytrain")
     except ConfigError as err:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, raytrain
+from conftest import REPO, TINY, raytrain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,3 +35,16 @@ def test_gpu_overhead_benchmark_prints_gpu_memory():
     print(proc.stdout)
     torchrun = next(line for line in proc.stdout.splitlines() if line.startswith("torchrun "))
     assert float(torchrun.split()[6]) > 0  # the GPU MiB column
+
+
+def test_launch_gives_each_rank_its_own_gpu_for_nccl(tmp_path):
+    """A torchrun script on every GPU here: cuda:LOCAL_RANK must be each rank's own GPU for NCCL."""
+    workers = torch.cuda.device_count()
+    out = tmp_path / "out"
+    proc = raytrain("launch", "--gpu", "-w", str(workers), "--storage-path", str(tmp_path / "runs"),
+                    str(REPO / "tests" / "scripts" / "torchrun_train.py"), "--backend", "nccl", "--out", str(out),
+                    timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(workers)]
+    assert [s["gpu"] for s in said] == [int(s["env"]["LOCAL_RANK"]) for s in said]
+    assert all(len(s["cuda_visible"].split(",")) == workers for s in said)

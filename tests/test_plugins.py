@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,29 @@ def test_skipped_layer_without_the_flag_names_the_flag(ray_head, user_dir):
     assert lines[-1].startswith("error: training failed on rank"), proc.stderr[-3000:]
     assert "got no gradient" in lines[-1] and "--find-unused-parameters" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+API_PY = """\
+import sys
+from torch import nn
+from raytrain_ddp import TrainConfig, run
+
+def mlp(num_classes, in_channels):  # defined in __main__, as in a notebook: it travels by value
+    return nn.Sequential(nn.Linear(in_channels, 64), nn.ReLU(), nn.Linear(64, num_classes))
+
+cfg = TrainConfig(workers=2, epochs=3, lr=0.1, num_classes=4, data_workers=0, progress="none",
+                  storage_path=sys.argv[1], name="api")
+summary = run(cfg, model=mlp, dataset="user_code:vectors")
+print("RESULT", summary["final"]["val_acc"], summary["config"]["model"], summary["config"]["dataset"])
+"""
+
+
+@pytest.mark.e2e
+def test_python_api_takes_a_callable_and_an_import_path(ray_head, user_dir):
+    (user_dir / "notebook.py").write_text(API_PY)
+    proc = subprocess.run([sys.executable, "notebook.py", str(user_dir / "runs")], env=ray_head.env, cwd=user_dir,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, val_acc, model, dataset = proc.stdout.strip().splitlines()[-1].split()
+    assert float(val_acc) > 0.5 and model == "__main__:mlp" and dataset == "user_code:vectors"
+    assert (user_dir / "runs" / "api" / "metrics.csv").exists()

@@ -31,6 +31,7 @@ parser.add_argument("--samples", type=int, default=512)
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--exit-code", type=int, default=1)
 parser.add_argument("--wait-for-sigterm", action="store_true")
+parser.add_argument("--backend", default="gloo", help="nccl: one GPU per rank, cuda:LOCAL_RANK")
 args = parser.parse_args()
 
 rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -38,7 +39,11 @@ local_rank = int(os.environ["LOCAL_RANK"])
 seen = {k: os.environ.get(k) for k in (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
 )}
-dist.init_process_group(backend="gloo")  # env://, as under torchrun
+device = torch.device("cpu")
+if args.backend == "nccl":
+    device = torch.device("cuda", local_rank)  # the torchrun habit: this rank's GPU is cuda:LOCAL_RANK
+    torch.cuda.set_device(device)
+dist.init_process_group(backend=args.backend)  # env://, as under torchrun
 torch.manual_seed(0)
 
 stop = False
@@ -52,12 +57,12 @@ def on_sigterm(signum, frame):
 signal.signal(signal.SIGTERM, on_sigterm)
 
 # Labels a linear model can learn: the sign of the first feature.
-x = torch.randn(args.samples, 8)
+x = torch.randn(args.samples, 8).to(device)
 y = (x[:, 0] > 0).long()
 indexes = TensorDataset(torch.arange(args.samples))
 sampler = DistributedSampler(indexes, shuffle=True, seed=0)  # RANK and WORLD_SIZE from the process group
 loader = DataLoader(indexes, batch_size=32, sampler=sampler)
-model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(device))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 print(f"rank {rank}/{world_size} on {socket.gethostname()} local rank {local_rank}", flush=True)
 
@@ -72,7 +77,7 @@ while epoch < args.epochs or (args.wait_for_sigterm and not stop):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    total = torch.tensor([loss.item(), 1.0])
+    total = torch.tensor([loss.item(), 1.0], device=device)
     dist.all_reduce(total)
     print(f"epoch {epoch} mean loss {total[0].item() / total[1].item():.4f}", flush=True)
     if rank == args.fail_rank:
@@ -81,7 +86,7 @@ while epoch < args.epochs or (args.wait_for_sigterm and not stop):
     epoch += 1
     if args.wait_for_sigterm:
         # Every rank must see the stop at the same epoch, or one waits in all_reduce for the other.
-        flag = torch.tensor([float(stop)])
+        flag = torch.tensor([float(stop)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
         time.sleep(0.2)
@@ -93,7 +98,8 @@ os.makedirs(args.out, exist_ok=True)
 if rank == 0:
     torch.save({"model": model.module.state_dict(), "epoch": epoch, "stopped": stop}, os.path.join(args.out, "model.pt"))
 with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
-    json.dump({"env": seen, "indices": indices, "accuracy": accuracy, "hostname": socket.gethostname(),
+    json.dump({"env": seen, "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "gpu": torch.cuda.current_device() if args.backend == "nccl" else None, "indices": indices, "accuracy": accuracy, "hostname": socket.gethostname(),
                "stopped_by_sigterm": stop, "cwd": os.getcwd()}, f)
 dist.destroy_process_group()
 print(f"done: accuracy {accuracy:.3f}", flush=True)
