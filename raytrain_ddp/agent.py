@@ -148,11 +148,21 @@ def _die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def shipped_copy(relative: str) -> str:
+    """This node's unpacked copy of the shipped directory. Ray Train moves each worker into its run's
+    own directory, but Ray keeps the copy first on the worker's PYTHONPATH."""
+    for entry in sys.path:
+        if entry and os.path.isfile(os.path.join(entry, relative)):
+            return entry
+    raise RuntimeError(f"the shipped copy of {relative} is not on this worker's PYTHONPATH ({sys.path[:3]} ...)")
+
+
 def run_script(loop_config: dict[str, Any]) -> None:
     """The train function of `raytrain launch`: rendezvous, run the script, report how it ended."""
     import ray.train
 
-    hub, argv, cwd = loop_config["hub"], loop_config["argv"], loop_config["cwd"]
+    hub, argv = loop_config["hub"], loop_config["argv"]
+    cwd = loop_config["cwd"] or shipped_copy(loop_config["probe"])
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
 

@@ -33,9 +33,8 @@ def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
     return cfg, storage / cfg.name
 
 
-def trainer_configs(cfg: TrainConfig, code: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer; `code` is the
-    runtime_env part that ships the user's code (shipping.Placement.runtime_env)."""
+def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -53,7 +52,7 @@ def trainer_configs(cfg: TrainConfig, code: dict[str, Any] | None = None) -> tup
         storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         failure_config=FailureConfig(max_failures=cfg.max_failures),
-        worker_runtime_env=worker_env(code),
+        worker_runtime_env=worker_env(),
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, TorchConfig(backend=cfg.resolved_backend)
@@ -64,13 +63,12 @@ PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
 
 
-def worker_env(code: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def worker_env() -> dict[str, Any] | None:
     """The workers' runtime_env: only when there is something to pass, because any runtime_env
     keeps Ray from handing the workers its pre-started processes (seconds at startup). Ray sets
     OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    runtime_env = {**({"env_vars": env} if env else {}), **(code or {})}
-    return runtime_env or None
+    return {"env_vars": env} if env else None
 
 
 def dry_run(cfg: TrainConfig) -> None:
@@ -86,7 +84,9 @@ def ray_address(cfg: TrainConfig) -> str | None:
     return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def connect(cfg: TrainConfig) -> None:
+def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None:
+    """Join (or start) the Ray cluster. `runtime_env` is the job's, for all its workers: Ray ships a
+    local directory (the user's code) only when the connection is made with it."""
     import ray
 
     if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
@@ -116,7 +116,7 @@ def connect(cfg: TrainConfig) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     with stderr_captured(not cfg.verbose) as log:
         try:
-            ray.init(address=address, **quiet)
+            ray.init(address=address, runtime_env=runtime_env, **quiet)
             return
         except (ConnectionError, RuntimeError) as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -239,6 +239,16 @@ def train_entry(loop_config: dict[str, Any]) -> None:
         ) from None
 
 
+def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
+    """Connect again, with the user's code as the job's runtime_env: the only way Ray uploads a
+    local directory. Only on a multi-node cluster whose nodes lack the code (a local Ray never)."""
+    import ray
+
+    if runtime_env:
+        ray.shutdown()
+        connect(cfg, runtime_env)
+
+
 def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
     """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
     that ship them), after importing each here first so a broken one fails in one line."""
@@ -259,7 +269,7 @@ def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
         )
     shipped = next(p for p in placements if not p.shared)
     print(f"--model/--dataset modules: {shipped.describe()}")
-    return ["."], shipped.runtime_env()  # Ray unpacks the copy as the worker's working directory
+    return [], shipped.runtime_env()  # Ray puts each worker's unpacked copy on its PYTHONPATH
 
 
 def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
@@ -283,12 +293,13 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     connect(cfg)
     preflight(cfg)
     code_paths, code_env = user_code(cfg)
+    ship_code(cfg, code_env)
 
     from ray.train.torch import TorchTrainer
 
     from raytrain_ddp.metrics import MetricsSink
 
-    scaling, run_config, torch_config = trainer_configs(cfg, code_env)
+    scaling, run_config, torch_config = trainer_configs(cfg)
     sink = MetricsSink.remote()
     trainer = TorchTrainer(
         train_entry,

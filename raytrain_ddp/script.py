@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.launch import (
-    EXIT_STOPPED, check_writable, connect, preflight, resolve_run, trainer_configs,
+    EXIT_STOPPED, check_writable, connect, preflight, resolve_run, ship_code, trainer_configs,
 )
 from raytrain_ddp.metrics import write_json
 
@@ -116,7 +116,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     placement = shipping.place(target.file, target.root)
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
     say(f"ranks run in {where} ({placement.describe()})")
-    scaling, run_config, _ = trainer_configs(cfg, placement.runtime_env())
+    ship_code(cfg, placement.runtime_env())
+    scaling, run_config, _ = trainer_configs(cfg)
     hub = LaunchHub.remote(cfg.workers)
     trainer = DataParallelTrainer(
         run_script,
@@ -124,6 +125,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
             "hub": hub,
             "argv": target.argv(placement.shared),
             "cwd": str(Path.cwd()) if placement.shared else None,  # shipped: the copy Ray made
+            "probe": str(target.file.relative_to(target.root)),
             "max_restarts": cfg.max_failures,
             "run_id": cfg.name,
         },

@@ -437,6 +437,27 @@ def test_launch_runs_a_torchrun_script_with_one_rank_per_node(lab: Lab) -> None:
     assert_cleaned_up(lab, job_id)
 
 
+def test_launch_ships_a_script_that_only_the_head_node_has(lab: Lab) -> None:
+    # The nodes' /tmp is private: a script copied there exists on n1 (where the command runs) and
+    # nowhere else, as on a cluster without a shared home. raytrain must ship its directory.
+    out = lab.work / "shipped_out"
+    script = REPO / "tests" / "scripts" / "torchrun_train.py"
+    command = (
+        f'own=$(mktemp -d /tmp/own-XXXX) && cp {script} "$own"/ && cd "$own" && '
+        f"raytrain launch --workers 2 --cpus-per-worker 2 --storage-path {lab.work / 'runs'} --name shipped "
+        f"torchrun_train.py --out {out} --epochs 1 --samples 128"
+    )
+    job_id = lab.submit("bash", "-c", command, sbatch_flags=("--nodes=2",))
+    job = lab.wait(job_id, timeout=240)
+    assert job.state == "COMPLETED", job.log
+    assert "1 of 2 nodes lack it; shipping /tmp/own-" in job.log, job.log
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert sorted(rank["hostname"] for rank in ranks) == NODES
+    # Each rank ran in its own unpacked copy of the directory, not in the head's /tmp/own-*.
+    assert all(not rank["cwd"].startswith("/tmp/own-") for rank in ranks), ranks
+    assert_cleaned_up(lab, job_id)
+
+
 # ---- failures --------------------------------------------------------------------------------
 
 
