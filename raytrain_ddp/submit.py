@@ -7,6 +7,10 @@ The job's entrypoint is `python -m raytrain_ddp run <flags>`, rebuilt from the c
 with the job as a `py_modules` entry: the cluster runs the code you have, with no internet, pip or
 release needed; the cluster's Python must hold the dependencies (torch, torchvision, ray[train]...).
 
+`raytrain submit [--address URL ...] launch [OPTIONS] SCRIPT.py [ARGS...]` submits a `raytrain
+launch` instead: the entrypoint is that launch command line, and the script's directory (or the
+module's root, with -m) travels too, as the job's `working_dir`, where the job's driver starts.
+
 Exit status of `submit` and `logs --follow` is the job's: SUCCEEDED 0; FAILED the run's own status
 (1 training failed, 2 bad request, 75 stopped with a checkpoint), else 1; STOPPED 130.
 """
@@ -30,8 +34,10 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 import raytrain_ddp
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import ConfigError, TrainConfig, resolve
 from raytrain_ddp.launch import PASSED_TO_WORKERS
+from raytrain_ddp.script import LAUNCH_FIELDS, find_target
+from raytrain_ddp.shipping import SHIP_EXCLUDES
 
 STOP_GRACE_S = 60
 """Seconds from `raytrain stop`'s SIGTERM to Ray's SIGKILL. The run checkpoints at its next agreed
@@ -239,6 +245,40 @@ def runtime_env() -> dict[str, Any]:
     }
 
 
+def launch_job(argv: list[str]) -> tuple[TrainConfig, str, dict[str, Any]]:
+    """`raytrain launch ARGV` as a job: its config, its entrypoint and its runtime_env. ARGV is
+    parsed by the real `launch` command and its script found here, so a typo fails in one line
+    before anything is uploaded."""
+    import typer.main
+
+    from raytrain_ddp.cli import app
+
+    try:
+        params = typer.main.get_command(app).commands["launch"].make_context("launch", list(argv)).params
+    except typer.TyperException as err:  # click's usage errors, as typer ships them
+        reason = " ".join(err.format_message().split()).rstrip(".")
+        raise ConfigError(f"in the launch command: {reason}; see raytrain launch --help") from None
+    if params["address"] is not None:
+        raise ConfigError(
+            f"--address {params['address']} in the launch command: the job's driver finds its cluster by itself; "
+            "give the dashboard to submit, before `launch`: raytrain submit --address http://HEAD:8265 launch ..."
+        )
+    cfg = for_cluster(resolve(None, {key: params[key] for key in LAUNCH_FIELDS}))
+    args = list(params["args"] or [])
+    target = find_target(params["script"], params["module"], args)
+    # The options are the user's, as typed: everything before the script (after it, all is the script's).
+    options = list(argv[: len(argv) - 1 - len(args)])
+    if params["name"] is None:
+        options = ["--name", cfg.name, *options]  # first, in case the options end with `--`
+    # The driver starts in the shipped copy of target.root; -m MODULE stays as typed (-m is among the options).
+    script = target.name if target.module else str(target.file.relative_to(target.root))
+    command = shlex.join(["python", "-m", "raytrain_ddp", "launch", *options, script, *args])
+    env = runtime_env()
+    env["working_dir"] = str(target.root)
+    env["excludes"] = list(dict.fromkeys([*env["excludes"], *SHIP_EXCLUDES]))
+    return cfg, command, env
+
+
 def run_dir(cfg: TrainConfig) -> str:
     return f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
 
@@ -246,9 +286,28 @@ def run_dir(cfg: TrainConfig) -> str:
 # ---- the commands ------------------------------------------------------------------------------
 
 
-def submit(cfg: TrainConfig, address: str | None, wait: bool = True, dry_run: bool = False) -> int:
-    cfg = for_cluster(cfg)
-    command, env = entrypoint(cfg), runtime_env()
+def submit(
+    cfg: TrainConfig, address: str | None, wait: bool = True, dry_run: bool = False, launch: list[str] | None = None
+) -> int:
+    """Submit `raytrain run` with cfg, or, given `launch` and a launch command line, that launch."""
+    if launch:
+        if launch[0] != "launch":
+            raise ConfigError(
+                f"submit takes run options, or `launch` and a launch command line, not {launch[0]!r}; e.g. "
+                "raytrain submit --address http://HEAD:8265 launch -w 2 --storage-path /mnt/shared/runs train.py"
+            )
+        defaults = TrainConfig()
+        mixed = [f.name for f in fields(TrainConfig) if getattr(cfg, f.name) != getattr(defaults, f.name)]
+        if mixed:
+            flag = "--" + mixed[0].replace("_", "-")
+            raise ConfigError(
+                f"{flag} is a run option, but submit takes either run options or a launch command; "
+                "put launch's own options (-w, --storage-path...) after `launch`"
+            )
+        cfg, command, env = launch_job(launch[1:])
+    else:
+        cfg = for_cluster(cfg)
+        command, env = entrypoint(cfg), runtime_env()
     if dry_run:
         print(f"entrypoint: {command}")
         print(f"runtime_env: {json.dumps(env, indent=2)}")
@@ -373,10 +432,15 @@ ADDRESS_HELP = (
 def register(app: typer.Typer, train_options: Callable[..., Any], debug_option: Any) -> None:
     """Add submit, status, logs and stop to the `raytrain` app (cli.py calls this)."""
 
-    @app.command("submit")
+    # Stop at the first word, `launch`: the options after it are the launch command's, not submit's.
+    @app.command("submit", context_settings={"allow_interspersed_args": False})
     @train_options(own_flags=("address",))
     def submit_command(
         cfg: TrainConfig,
+        launch: Optional[list[str]] = typer.Argument(
+            None, metavar="launch OPTIONS SCRIPT.py ARGS",
+            help="Submit a `raytrain launch` command line instead of a run (submit's own options go before it).",
+        ),
         address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
         wait: bool = typer.Option(
             True, "--wait/--no-wait", help="Stream the logs and exit with the job's status (--no-wait: print the job id)."
@@ -384,8 +448,8 @@ def register(app: typer.Typer, train_options: Callable[..., Any], debug_option: 
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the job's entrypoint and runtime_env; submit nothing."),
         debug: bool = debug_option,
     ) -> None:
-        """Run training as a Ray job on a running cluster; exit 0 SUCCEEDED, the run's status FAILED, 130 STOPPED."""
-        raise typer.Exit(submit(cfg, address, wait=wait, dry_run=dry_run))
+        """Run training, or `launch` a script, as a Ray job; exit 0 SUCCEEDED, the run's status FAILED, 130 STOPPED."""
+        raise typer.Exit(submit(cfg, address, wait=wait, dry_run=dry_run, launch=launch))
 
     @app.command("status")
     def status_command(

@@ -11,6 +11,7 @@ import json
 import re
 import secrets
 import shlex
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -20,11 +21,14 @@ import typer.main
 import yaml
 
 from conftest import REPO, TINY, free_port, local_head, raytrain
+from test_cli import assert_refused
 from raytrain_ddp import submit
 from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
+from raytrain_ddp.shipping import SHIP_EXCLUDES
 
 HEAD_CPUS = 2  # the tiny runs below take 2 workers x 1 CPU
+SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
 
 
 # ---- the config crosses to the cluster as flags -----------------------------------------------
@@ -75,6 +79,57 @@ def test_runtime_env_ships_only_the_package(monkeypatch):
     assert "working_dir" not in env  # never the checkout: .venv, runs/, tests
     assert env["env_vars"]["NCCL_SOCKET_IFNAME"] == "ib0"
     assert int(env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 30
+
+
+# ---- a launch crosses to the cluster as its own command line ----------------------------------
+
+
+def parse_launch(args: list[str]) -> dict:
+    """What `raytrain launch ARGS` would run, parsed by the real command, without running it."""
+    return typer.main.get_command(app).commands["launch"].make_context("launch", list(args)).params
+
+
+def test_launch_entrypoint_keeps_the_script_args_and_ships_its_directory():
+    script_args = ["--out", "/mnt/shared/out", "--workers", "9", "--name", "mine", "-m"]
+    cfg, command, env = submit.launch_job(["-w", "2", "--storage-path", "/mnt/shared/runs", str(SCRIPT), *script_args])
+    words = shlex.split(command)
+    assert words[:4] == ["python", "-m", "raytrain_ddp", "launch"]
+    assert words[-len(script_args):] == script_args  # after the script, all is the script's
+    params = parse_launch(words[4:])
+    assert (params["workers"], params["storage_path"], params["name"]) == (2, "/mnt/shared/runs", cfg.name)
+    assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.name)
+    assert params["script"] == "torchrun_train.py"  # the job's driver starts in its copy of working_dir
+    assert list(params["args"]) == script_args
+    assert Path(env["working_dir"]) == SCRIPT.parent
+    assert set(SHIP_EXCLUDES) <= set(env["excludes"])
+    [package] = env["py_modules"]
+    assert Path(package) == REPO / "raytrain_ddp"
+
+
+def test_launch_of_a_module_ships_its_root(monkeypatch):
+    monkeypatch.chdir(REPO / "tests")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # find_target adds the cwd, as `python -m` does
+    launch = ["--storage-path", "/runs", "--name", "a", "-m", "scripts.torchrun_train", "-x"]
+    cfg, command, env = submit.launch_job(launch)
+    assert shlex.split(command)[4:] == launch  # the user's line: -m MODULE as typed, the name already given
+    assert Path(env["working_dir"]) == REPO / "tests"
+    assert submit.run_dir(cfg) == "/runs/a"
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["launch", "-w", "2", str(SCRIPT)], ["--storage-path ./runs is relative", "--storage-path /mnt/shared/runs"]),
+        (["launch", "--storage-path", "runs", str(SCRIPT)], ["--storage-path runs is relative"]),
+        (["launch", "--address", "10.0.0.1:6379", "--storage-path", "/runs", str(SCRIPT)],
+         ["--address 10.0.0.1:6379 in the launch command", "before `launch`"]),
+        ([str(SCRIPT), "--lr", "3"], [f"not '{SCRIPT}'", "launch -w 2"]),
+        (["--epochs", "5", "launch", "--storage-path", "/runs", str(SCRIPT)],
+         ["--epochs is a run option", "either run options or a launch command"]),
+    ],
+)
+def test_bad_launch_submissions_are_one_line(args, fragments):
+    assert_refused(raytrain("submit", "--address", "http://127.0.0.1:1", "--dry-run", *args, timeout=60), *fragments)
 
 
 # ---- address and token -------------------------------------------------------------------------
@@ -162,6 +217,19 @@ def test_submit_runs_the_job_and_reports_back(dashboard_head, tmp_path):
     assert re.search(rf"{job_id}\s+SUCCEEDED\s+submitted", listing.stdout), listing.stdout
     logs = raytrain("logs", job_id, "--address", dashboard_head.url, env=dashboard_head.env)
     assert logs.returncode == 0 and "done: 2 gloo workers" in logs.stdout
+
+
+@pytest.mark.e2e
+def test_submit_launch_runs_the_script_on_the_cluster(dashboard_head, tmp_path):
+    out = tmp_path / "out"
+    proc = raytrain(
+        "submit", "--address", dashboard_head.url, "launch", "-w", "2", "--storage-path", str(tmp_path / "runs"),
+        str(SCRIPT), "--out", str(out), "--epochs", "1", "--samples", "128", env=dashboard_head.env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "[rank0]: done: accuracy" in proc.stdout  # the launch's own output, streamed back
+    ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert all(Path(r["cwd"]) != SCRIPT.parent for r in ranks)  # the shipped copy, not this checkout
 
 
 @pytest.mark.e2e
