@@ -98,7 +98,10 @@ def report(results: dict[str, list[dict[str, float]]]) -> str:
 
 def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, float]]]:
     # Medians over alternating rounds; the table reports them with every run's figure.
-    cfg = dataclasses.replace(cfg, progress="none", address=None)
+    # Fixed threads per worker, so raytrain's workers and torchrun's run alike (no CPU share).
+    cfg = dataclasses.replace(
+        cfg, progress="none", address=None, cpus_per_worker=cfg.cpus_per_worker or 1, placement=cfg.placement or "pack"
+    )
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
         num_cpus=cfg.workers * cfg.cpus_per_worker, num_gpus=cfg.workers if cfg.gpu else 0

@@ -36,10 +36,13 @@ class TrainConfig:
     """Training workers (DDP ranks). One per GPU with --gpu."""
     gpu: bool = False
     """Train on GPUs with NCCL (--gpu) or on CPUs with gloo (--cpu)."""
-    cpus_per_worker: int = 1
-    """CPUs reserved per worker; also its torch and OpenMP thread count."""
-    placement: str = "pack"
-    """Worker placement: pack (fill nodes in turn) or spread (one node each, as far as possible)."""
+    cpus_per_worker: int | None = None
+    """CPUs reserved per worker; also its torch and OpenMP thread count. Default: with --gpu 1; on CPU
+    an equal share of the cluster's CPUs, workers spread evenly over the nodes (1 with --loader ray,
+    whose decode tasks need the rest)."""
+    placement: str | None = None
+    """Worker placement: pack (fill nodes in turn) or spread (one node each, as far as possible).
+    Default: pack with --gpu or an explicit --cpus-per-worker, else spread."""
     address: str | None = None
     """Ray cluster address (GCS host:port). Default: $RAY_ADDRESS if set, else a private local Ray."""
     backend: str = "auto"
@@ -61,10 +64,12 @@ class TrainConfig:
     """Side of the square images fed to the model, in pixels."""
     num_classes: int = 10
     """Number of classes; real datasets must have labels below it."""
-    train_samples: int = 4096
-    """Synthetic train-set size; for the built-in real datasets a cap on samples used (0 = all)."""
-    val_samples: int = 1024
-    """Synthetic validation-set size; for the built-in real datasets a cap on samples used (0 = all)."""
+    train_samples: int | None = None
+    """Synthetic train-set size (default 4096); for the built-in real datasets a cap on the samples
+    used (default: all)."""
+    val_samples: int | None = None
+    """Synthetic validation-set size (default 1024); for the built-in real datasets a cap on the
+    samples used (default: all)."""
     data_workers: int = 2
     """DataLoader worker processes per training worker (0 = load in the training process)."""
     loader: str = "torch"
@@ -80,7 +85,12 @@ class TrainConfig:
     epochs: int = 3
     """Passes over the training set."""
     batch_size: int = 64
-    """Batch size per worker; the global batch is batch_size x workers."""
+    """Batch size per worker per micro-batch; the global batch is batch_size x workers x grad_accum."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; DDP all-reduces gradients only on the last of them."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all workers; sets --grad-accum to global / (batch_size x
+    workers), which must be a whole number."""
     lr: float = 0.05
     """Peak learning rate."""
     optimizer: str = "sgd"
@@ -90,7 +100,18 @@ class TrainConfig:
     weight_decay: float = 5e-4
     """Weight decay (decoupled for adamw)."""
     scheduler: str = "cosine"
-    """LR schedule per epoch: none, step (x0.1 at 50% and 75% of epochs) or cosine."""
+    """LR schedule, stepped per optimizer step: none, step (x0.1 at 50% and 75% of epochs) or cosine."""
+    warmup_epochs: float = 0.0
+    """Epochs (fractions allowed) of linear LR warmup from ~0 to --lr, per optimizer step, before
+    the schedule."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm to this before each optimizer step (0 = off); unscaled first
+    under fp16 AMP."""
+    label_smoothing: float = 0.0
+    """Label smoothing of the training loss (0 = off); validation loss is plain cross-entropy."""
+    decay_norm_bias: bool = False
+    """Apply weight decay to norm-layer and bias parameters too (default: only to weights of 2+
+    dimensions, as most recipes do)."""
     amp: bool = True
     """Mixed precision on GPU: bf16 where supported, else fp16 with a GradScaler. Ignored on CPU."""
     find_unused_parameters: bool = False
@@ -103,7 +124,7 @@ class TrainConfig:
 
     # --- never lose work ---
     checkpoint_every_steps: int = 0
-    """Also checkpoint every N training steps within an epoch (0 = at the end of each epoch only)."""
+    """Also checkpoint every N optimizer steps within an epoch (0 = at the end of each epoch only)."""
     keep_checkpoints: int = 2
     """How many of the latest checkpoints to keep."""
     resume: bool = True
@@ -123,18 +144,26 @@ class TrainConfig:
     """Show Ray's own logs."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run dir>/tensorboard (needs the tensorboard package)."""
+    mlflow: bool = False
+    """Log the config, every metrics.csv column per epoch and summary.json to MLflow: $MLFLOW_TRACKING_URI,
+    else a local store in the run directory (pip install 'raytrain-ddp[mlflow]')."""
+    mlflow_experiment: str = "raytrain"
+    """MLflow experiment the run is logged under (the MLflow run is named after --name)."""
+    wandb: bool = False
+    """Log the same to Weights & Biases, honouring WANDB_PROJECT, WANDB_MODE=offline and the other
+    WANDB_* settings (pip install 'raytrain-ddp[wandb]')."""
 
     def __post_init__(self) -> None:
         _check_types(self)
-        for key in ("workers", "cpus_per_worker", "image_size", "epochs", "batch_size"):
-            if getattr(self, key) < 1:
+        for key in ("workers", "cpus_per_worker", "image_size", "epochs", "batch_size", "grad_accum", "global_batch_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{_flag(key)} must be at least 1 (got {getattr(self, key)})")
         if self.num_classes < 2:
             raise ConfigError(f"--num-classes must be at least 2 (got {self.num_classes})")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"--keep-checkpoints must be at least 1 (got {self.keep_checkpoints})")
         for key in ("train_samples", "val_samples", "data_workers", "checkpoint_every_steps", "max_failures"):
-            if getattr(self, key) < 0:
+            if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ConfigError(f"{_flag(key)} must be 0 or more (got {getattr(self, key)})")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"--lr must be a positive number (got {self.lr})")
@@ -146,6 +175,22 @@ class TrainConfig:
             raise ConfigError(f"--wait-for-resources must be 0 or more (got {self.wait_for_resources})")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
+        for key in ("warmup_epochs", "clip_grad_norm"):
+            if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
+                raise ConfigError(f"{_flag(key)} must be 0 or more (got {getattr(self, key)})")
+        if self.warmup_epochs > self.epochs:
+            raise ConfigError(f"--warmup-epochs {self.warmup_epochs} is longer than --epochs {self.epochs}; shorten it")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing})")
+        if self.global_batch_size is not None:
+            if self.grad_accum != 1:
+                raise ConfigError("give --global-batch-size or --grad-accum, not both (the first sets the second)")
+            per_step = self.batch_size * self.workers
+            if self.global_batch_size % per_step:
+                raise ConfigError(
+                    f"--global-batch-size {self.global_batch_size} is not a multiple of --batch-size x --workers "
+                    f"= {per_step}; pick a multiple, e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
+                )
         for key, choices in (
             ("optimizer", OPTIMIZERS),
             ("scheduler", SCHEDULERS),
@@ -154,7 +199,7 @@ class TrainConfig:
             ("progress", PROGRESS),
             ("loader", LOADERS),
         ):
-            if getattr(self, key) not in choices:
+            if getattr(self, key) not in choices and not (key == "placement" and self.placement is None):
                 raise ConfigError(
                     f"{_flag(key)} must be one of {', '.join(choices)} (got {getattr(self, key)!r})"
                 )
@@ -162,6 +207,13 @@ class TrainConfig:
             raise ConfigError("--backend nccl needs --gpu; use --backend gloo (or auto) on CPU")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"--name must be a plain directory name (got {self.name!r})")
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step: --grad-accum, or what --global-batch-size implies."""
+        if self.global_batch_size is None:
+            return self.grad_accum
+        return self.global_batch_size // (self.batch_size * self.workers)
 
     @property
     def resolved_backend(self) -> str:

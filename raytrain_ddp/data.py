@@ -278,9 +278,9 @@ def hold_out(samples: Samples, fraction: float) -> tuple[Samples, Samples]:
     return samples.select(np.sort(order[n_val:])), samples.select(np.sort(order[:n_val]))
 
 
-def cap(samples: Samples, limit: int) -> Samples:
-    """A fixed random subset of `limit` samples (0 = all); random, so every class stays in it."""
-    if limit == 0 or limit >= len(samples):
+def cap(samples: Samples, limit: int | None) -> Samples:
+    """A fixed random subset of `limit` samples (None or 0 = all); random, so every class stays in it."""
+    if not limit or limit >= len(samples):
         return samples
     keep = np.random.default_rng(SPLIT_SEED).permutation(len(samples))[:limit]
     return samples.select(np.sort(keep))
@@ -319,10 +319,9 @@ def validate(cfg: TrainConfig) -> None:
     train, val = split(cfg, layout)
     full_train, full_val = split(dataclasses.replace(cfg, train_samples=0, val_samples=0), layout)
     if len(train) < len(full_train) or len(val) < len(full_val):
-        # The default caps suit synthetic data; say so when they shrink a real dataset.
         print(
-            f"note: using {len(train)} train and {len(val)} val samples (--train-samples, --val-samples); "
-            "pass 0 to use all",
+            f"note: using {len(train)} of {len(full_train)} train and {len(val)} of {len(full_val)} val samples "
+            "(--train-samples, --val-samples); leave them out to use all",
             file=sys.stderr,
         )
 

@@ -102,7 +102,7 @@ def check(cfg: Any, iters: int) -> bool:
     connect(cfg)
     print(f"Ray {ray.__version__}, token auth {'on' if auth_enabled() else 'OFF'}")
     print("\n".join(nodes_table()))
-    preflight(cfg)
+    cfg = preflight(cfg)
     scaling, run_config, torch_config = trainer_configs(cfg)
     results = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(

@@ -73,8 +73,10 @@ def worker_env() -> dict[str, Any] | None:
 
 def dry_run(cfg: TrainConfig) -> None:
     cfg, run_dir = resolve_run(cfg)
-    scaling, run, torch_config = trainer_configs(cfg)
     print(f"config:\n{dumps(cfg)}")
+    if cfg.cpus_per_worker is None or cfg.placement is None:
+        print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
+    scaling, run, torch_config = trainer_configs(choose_layout(cfg, []))
     print(f"run directory: {run_dir}")
     print(f"ray address: {ray_address(cfg) or 'a new private local Ray'}")
     print(f"{scaling}\n{run}\n{torch_config}")
@@ -164,6 +166,29 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def cpu_share(workers: int, node_cpus: list[int]) -> int:
+    """The most CPUs each of `workers` equal workers can have on nodes with `node_cpus` CPUs (at least 1).
+
+    Ray's SPREAD placement then puts them over the nodes evenly: 2 workers on two 2-CPU nodes get
+    a node and 2 CPUs each; 4 workers get 1 CPU each, two per node."""
+    best = 1
+    for cpus in range(1, max(node_cpus, default=1) + 1):
+        if sum(n // cpus for n in node_cpus) >= workers:
+            best = cpus
+    return best
+
+
+def choose_layout(cfg: TrainConfig, node_cpus: list[int]) -> TrainConfig:
+    """Fill in --cpus-per-worker and --placement where the user left them out.
+
+    On CPU the workers share the cluster's CPUs evenly and spread over the nodes: a worker's CPUs
+    are its threads, so a node left idle is throughput lost. With --gpu the GPU is the unit and
+    packing keeps NCCL on NVLink; --loader ray leaves CPUs to Ray Data's decode tasks."""
+    share = not cfg.gpu and cfg.loader != "ray" and cfg.cpus_per_worker is None
+    cpus = cfg.cpus_per_worker or (cpu_share(cfg.workers, node_cpus) if share else 1)
+    return dataclasses.replace(cfg, cpus_per_worker=cpus, placement=cfg.placement or ("spread" if share else "pack"))
+
+
 def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
     """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
     fits = 0
@@ -193,19 +218,30 @@ def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list
     )
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Fail in seconds, naming what is missing, instead of waiting forever for resources."""
+def preflight(cfg: TrainConfig) -> TrainConfig:
+    """Fail in seconds, naming what is missing, instead of waiting forever for resources; then
+    choose the layout (choose_layout) from the nodes there are, say it, and return cfg with it."""
     import ray
 
     deadline = time.monotonic() + cfg.wait_for_resources
     while True:
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-        problem = placement_problem(cfg.workers, cfg.cpus_per_worker, cfg.gpu, nodes)
+        problem = placement_problem(cfg.workers, cfg.cpus_per_worker or 1, cfg.gpu, nodes)
         if problem is None:
-            return
+            break
         if time.monotonic() >= deadline:
             raise ConfigError(problem)
         time.sleep(1.0)
+    chosen = choose_layout(cfg, [int(n.get("CPU", 0)) for n in nodes])
+    if chosen != cfg:
+        node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
+        print(
+            f"layout: {cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
+            f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
+            f"{'+'.join(map(str, node_cpus))} CPUs; --cpus-per-worker and --placement override",
+            file=sys.stderr,
+        )
+    return chosen
 
 
 def check_writable(run_dir: Path) -> None:
@@ -275,7 +311,7 @@ def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
 def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
     (the Python API) override cfg's: a name, an import path, or a callable."""
-    from raytrain_ddp import data, plugins
+    from raytrain_ddp import data, plugins, tracking
     from raytrain_ddp.models import model_builder
 
     started = time.time()
@@ -286,12 +322,13 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
         model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
     if "dataset" not in given:
         data.validate(cfg)
+    tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
     if not cfg.resume:
         start_fresh(run_dir)
     check_writable(run_dir)
     connect(cfg)
-    preflight(cfg)
+    cfg = preflight(cfg)
     code_paths, code_env = user_code(cfg)
     ship_code(cfg, code_env)
 
@@ -311,16 +348,30 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     )
     display = Display(cfg.progress, cfg.epochs)
     display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")
-    watcher = Watcher(sink, display, run_dir, cfg.tensorboard)
+    if cfg.accum_steps > 1:
+        display.print(
+            f"global batch {cfg.batch_size * cfg.workers * cfg.accum_steps} = --batch-size {cfg.batch_size} x "
+            f"{cfg.workers} workers x {cfg.accum_steps} accumulated micro-batches per optimizer step"
+        )
+    trackers = tracking.start(cfg, run_dir)
+    watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers)
     watcher.start()
     stop_on_signals(sink, display)
+    summary = None
     try:
-        trainer.fit()
+        try:
+            trainer.fit()
+        finally:
+            watcher.stop()
+            display.close()
+        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started)
     finally:
-        watcher.stop()
-        display.close()
+        trackers.finish(run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
+    return summary
 
-    info, rows = watcher.info, watcher.rows
+
+def finish_run(cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float) -> dict[str, Any]:
+    """The run's summary.json, once fit() returned; or why the run did not finish."""
     if info.get("stopped_at"):
         epoch, step = info["stopped_at"]
         raise Stopped(
@@ -375,9 +426,9 @@ def stop_on_signals(sink: Any, display: Display) -> None:
 class Watcher(threading.Thread):
     """Polls the metrics sink while fit() blocks: updates the display, rewrites the metrics files."""
 
-    def __init__(self, sink: Any, display: Display, run_dir: Path, tensorboard: bool):
+    def __init__(self, sink: Any, display: Display, run_dir: Path, tensorboard: bool, trackers: Any):
         super().__init__(daemon=True)
-        self.sink, self.display, self.run_dir = sink, display, run_dir
+        self.sink, self.display, self.run_dir, self.trackers = sink, display, run_dir, trackers
         self.tensorboard = tensorboard_writer(run_dir) if tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
@@ -396,6 +447,7 @@ class Watcher(threading.Thread):
                         if isinstance(value, (int, float)) and key != "epoch":
                             self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
                 self.tensorboard.flush()
+            self.trackers.log_rows(rows[len(self.rows) :])
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
             # Which pid on which host is which rank: for the user (and for tests that kill one).
             write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})

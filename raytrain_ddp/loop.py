@@ -1,12 +1,16 @@
 """The worker loop: the one function TorchTrainer runs on every rank.
 
 Read it top to bottom: [1] set up the rank, [2] data, [3] model and optimizer, [4] resume from the
-latest checkpoint, [5] epochs of train + validate + checkpoint. Metrics are all-reduced, so every
+latest checkpoint, [5] epochs of train + validate + checkpoint. One optimizer step is `accum`
+micro-batches (forward_backward each, then apply_gradients). Metrics are all-reduced, so every
 number describes the whole world, not rank 0's shard.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import os
 import resource
 import socket
@@ -19,6 +23,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
@@ -64,7 +69,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         model.compile()
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg))
     optimizer = make_optimizer(cfg, model)
-    scheduler = make_scheduler(cfg, optimizer)
+    accum, micro_steps = cfg.accum_steps, loaders.steps_per_epoch
+    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=math.ceil(micro_steps / accum))
     amp_dtype = None
     if cuda and cfg.amp:
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -132,22 +138,27 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         bad_step = torch.zeros((), dtype=torch.float64, device=device)
         tick = step_end = time.perf_counter()
         last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
+        # `step` counts micro-batches; checkpoints and stops fall only where an optimizer step ends,
+        # so a resume never meets half-accumulated gradients.
         for step, (inputs, labels) in enumerate(loaders.train, start=skip + 1):
             data_wait += time.perf_counter() - step_end
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             if cuda and inputs.dim() == 4:  # images; flat vectors and sequences stay as they are
                 inputs = inputs.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(inputs)
-                loss = F.cross_entropy(logits, labels)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            group_start = step - (step - 1) % accum  # the first micro-batch of this optimizer step
+            group_size = min(accum, micro_steps - group_start + 1)  # the epoch's last group may be short
+            last = step == group_start + group_size - 1
+            if step == group_start:
+                optimizer.zero_grad(set_to_none=True)
+            loss, logits = forward_backward(
+                model, inputs, labels, amp_dtype, scaler, cfg.label_smoothing, weight=1 / group_size, sync=last
+            )
+            if last:
+                apply_gradients(model, optimizer, scaler, scheduler, cfg.clip_grad_norm)
             n = torch.tensor(len(labels), device=device)
-            sums += torch.stack([loss.detach() * n, (logits.argmax(1) == labels).sum(), n]).double()
-            first_bad = (bad_step == 0) & ~torch.isfinite(loss.detach())
+            sums += torch.stack([loss * n, (logits.argmax(1) == labels).sum(), n]).double()
+            first_bad = (bad_step == 0) & ~torch.isfinite(loss)
             bad_step = torch.where(first_bad, torch.tensor(float(step), device=device), bad_step)
 
             if rank == 0 and time.perf_counter() - last_update >= PROGRESS_EVERY_S:
@@ -157,8 +168,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     epoch=epoch, step=step, loss=loss.item(), at=time.time(),
                     samples_per_s=rate / max(last_update - tick, 1e-9),
                 )
-            due = cfg.checkpoint_every_steps > 0 and step % cfg.checkpoint_every_steps == 0
-            if step % CONTROL_EVERY == 0 or due:
+            opt_step = math.ceil(step / accum)
+            due = last and cfg.checkpoint_every_steps > 0 and opt_step % cfg.checkpoint_every_steps == 0
+            if last and (opt_step % CONTROL_EVERY == 0 or due):
                 stop = agree_to_stop(rank, sink, bad_step, epoch)
                 if due or stop:
                     train_time += time.perf_counter() - tick
@@ -175,7 +187,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
         val_loss, val_acc, _ = evaluate(model, loaders.val, device, amp_dtype)
         lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
         rss_mib, gpu_mib, wait_frac, skipped = epoch_resources(
             cuda, data_wait, train_time, loaders.skipped(), world_size, device
         )
@@ -207,6 +218,35 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             return
 
 
+def forward_backward(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, amp_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler, label_smoothing: float, weight: float, sync: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch: forward, then backward of its loss x `weight` (1 / micro-batches in this
+    optimizer step, so the summed gradient is the big batch's mean). Returns (loss, logits), detached."""
+    # in DDP, gradients are all-reduced only on the last micro-batch; the others add to .grad locally
+    quiet = model.no_sync() if not sync and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+    with quiet:
+        with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        scaler.scale(loss * weight).backward()
+    return loss.detach(), logits.detach()
+
+
+def apply_gradients(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any,
+    clip_grad_norm: float,
+) -> None:
+    """The optimizer step that ends an accumulation: clip, step, and advance the LR schedule."""
+    if clip_grad_norm > 0:
+        scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the loss-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
+    scaler.update()
+    scheduler.step()
+
+
 def ddp_options(cfg: TrainConfig) -> dict[str, Any]:
     """Gradients live in DDP's all-reduce buckets (no copy). Our own models use every parameter on
     every step, so their graph is static and DDP may skip its per-step search for unused ones; a
@@ -214,7 +254,9 @@ def ddp_options(cfg: TrainConfig) -> dict[str, Any]:
     options: dict[str, Any] = {"gradient_as_bucket_view": True}
     if cfg.find_unused_parameters:
         options["find_unused_parameters"] = True
-    elif cfg.model in MODELS:
+    elif cfg.model in MODELS and cfg.accum_steps == 1:
+        # static_graph with no_sync() fails its first backward, or silently stops all-reducing
+        # gradients (pytorch/pytorch#187732): accumulation gets the default reducer.
         options["static_graph"] = True
     return options
 
@@ -271,17 +313,43 @@ def all_reduce_means(sums: torch.Tensor) -> tuple[float, float, float]:
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_norm_bias)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        return torch.optim.AdamW(groups, lr=cfg.lr)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_bias: bool) -> list[dict[str, Any]]:
+    """Weight decay on weight matrices and conv kernels only: decaying biases and norm scales (the
+    1-D parameters) pulls them to 0 and costs accuracy, so most recipes exempt them."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_bias:
+        return [{"params": params, "weight_decay": weight_decay}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def lr_factor(step: int, schedule: str, epochs: int, steps_per_epoch: int, warmup_epochs: float) -> float:
+    """The share of --lr that optimizer step `step` (from 0) uses: linear warmup, then the schedule."""
+    warmup = round(warmup_epochs * steps_per_epoch)
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        total = epochs * steps_per_epoch
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    if schedule == "step":
+        milestones = {max(1, epochs // 2), max(1, epochs * 3 // 4)}
+        return 0.1 ** sum(step // steps_per_epoch >= m for m in milestones)
+    return 1.0
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:
+    """The LR schedule, stepped once per optimizer step (apply_gradients)."""
+    factor = functools.partial(
+        lr_factor, schedule=cfg.scheduler, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
+        warmup_epochs=cfg.warmup_epochs,
     )
-
-
-def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer):
-    if cfg.scheduler == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
-    if cfg.scheduler == "step":
-        milestones = sorted({max(1, cfg.epochs // 2), max(1, cfg.epochs * 3 // 4)})
-        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.launch import (
-    EXIT_STOPPED, check_writable, connect, preflight, resolve_run, ship_code, trainer_configs,
+    EXIT_STOPPED, check_writable, choose_layout, connect, preflight, resolve_run, ship_code, trainer_configs,
 )
 from raytrain_ddp.metrics import write_json
 
@@ -99,14 +99,14 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     shown = parse_ranks(show_ranks, cfg.workers)
     cfg, run_dir = resolve_run(cfg)
     if dry_run:
-        scaling, run_config, _ = trainer_configs(cfg)
+        scaling, run_config, _ = trainer_configs(choose_layout(cfg, []))
         print(f"each of {cfg.workers} ranks runs: python {' '.join(target.argv(shared=True))}")
         print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
     check_writable(run_dir)
     connect(cfg)
-    preflight(cfg)
+    cfg = preflight(cfg)
 
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer, minus its process group
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,14 @@ def test_every_field_has_a_docstring():
         ({"gpu": "yes"}, "--gpu must be bool"),
         ({"name": "a/b"}, "--name must be a plain directory name"),
         ({"val_fraction": 1.5}, "--val-fraction must be between 0 and 1"),
+        ({"grad_accum": 0}, "--grad-accum must be at least 1"),
+        ({"global_batch_size": 100}, "--global-batch-size 100 is not a multiple of --batch-size x --workers = 128; pick a multiple, e.g. 128"),
+        ({"global_batch_size": 256, "grad_accum": 2}, "give --global-batch-size or --grad-accum, not both"),
+        ({"clip_grad_norm": -1}, "--clip-grad-norm must be 0 or more"),
+        ({"warmup_epochs": 4}, "--warmup-epochs 4.0 is longer than --epochs 3"),
+        ({"label_smoothing": 1}, "--label-smoothing must be in"),
+        ({"cpus_per_worker": 0}, "--cpus-per-worker must be at least 1"),
+        ({"placement": "scatter"}, "--placement must be one of pack, spread"),
     ],
 )
 def test_bad_values_name_the_flag(bad, fragment):
@@ -78,3 +87,24 @@ def test_bad_files(tmp_path):
     (tmp_path / "types.yaml").write_text("epochs: three\n")
     with pytest.raises(ConfigError, match="--epochs must be int"):
         resolve(tmp_path / "types.yaml", {})
+
+
+def test_global_batch_size_sets_the_accumulation():
+    assert TrainConfig(batch_size=32, workers=2, global_batch_size=256).accum_steps == 4
+    assert TrainConfig(grad_accum=3).accum_steps == 3 and TrainConfig().accum_steps == 1
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_recipe_files_are_valid_and_show_their_command(path):
+    cfg = resolve(path, {})
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    commands = [line.lstrip("# ") for line in header if "raytrain " in line]
+    assert commands and all(f"--config configs/{path.name}" in c for c in commands), header
+    assert cfg.model and cfg.dataset != "synthetic"
+
+
+def test_recipe_files_exist():
+    assert {p.name for p in CONFIGS} >= {"resnet50-tinyimagenet.yaml", "mnist-convnet.yaml"}

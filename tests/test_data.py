@@ -180,6 +180,15 @@ def test_imagefolder_with_and_without_val(tmp_path):
     assert len(formats.read_imagefolder(tmp_path / "b" / "train").train) == 40
 
 
+def test_a_real_dataset_is_used_whole_by_default(tmp_path):
+    write_imagefolder(tmp_path, per_class=10, val_per_class=5)
+    cfg = TrainConfig(dataset="imagefolder", data_dir=str(tmp_path))  # no caps given
+    train, val = data.split(cfg, formats.read_imagefolder(tmp_path))
+    assert (len(train), len(val)) == (40, 20)
+    synthetic = data.DATASETS["synthetic"](TrainConfig())
+    assert (len(synthetic.train), len(synthetic.val)) == data.SYNTHETIC_SIZES  # its own default size
+
+
 def test_caps_keep_a_fixed_random_subset(tmp_path):
     write_imagefolder(tmp_path, per_class=10, val_per_class=5)
     cfg = cfg_for("imagefolder", tmp_path, train_samples=12, val_samples=6)

@@ -233,7 +233,8 @@ wc -c <"$RAY_AUTH_TOKEN_PATH" >"$out/token_len"
 cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' |
     grep -cFf "$RAY_AUTH_TOKEN_PATH" >"$out/token_leaks"
 ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards"
-raytrain run --workers 2 --cpus-per-worker 2 --epochs 1 --storage-path "$PWD/runs" --name e2e \\
+# No --cpus-per-worker: on CPU the 2 workers share the 4 CPUs evenly, one 2-CPU node each.
+raytrain run --workers 2 --epochs 1 --storage-path "$PWD/runs" --name e2e \\
     --dataset synthetic --model convnet --train-samples 512 --val-samples 128 --batch-size 32
 status=$?
 wait
@@ -352,6 +353,9 @@ def test_trains_with_one_rank_per_node(lab: Lab, train_job: Job) -> None:
     assert sorted(summary["node_ips"]) == ["192.168.77.11", "192.168.77.12"]
     assert (lab.work / "runs" / "e2e" / "metrics.csv").stat().st_size > 0
     assert "all 2 nodes joined: n1 n2" in train_job.log
+    # Chosen, not asked for: an equal share of the allocation's CPUs, threads included.
+    assert "layout: 2 workers x 2 CPUs (threads), spread over 2 nodes of 2+2 CPUs" in train_job.log
+    assert summary["config"]["cpus_per_worker"] == 2 and summary["config"]["placement"] == "spread"
 
 
 def test_client_without_token_is_refused(lab: Lab, train_job: Job) -> None:
