@@ -16,11 +16,20 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from raytrain_ddp import launch, submit
-from raytrain_ddp.bench_data import data_command
-from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, resolve
-from raytrain_ddp.convert import data_app
+from raytrain_ddp import launch
+from raytrain_ddp.config import (
+    FIELD_TYPES,
+    ConfigError,
+    TrainConfig,
+    field_docs,
+    flag_decls,
+    resolve,
+)
+from raytrain_ddp.data.convert import data_app
+from raytrain_ddp.errors import one_line
 from raytrain_ddp.script import LAUNCH_FIELDS
+from raytrain_ddp.tools import submit
+from raytrain_ddp.tools.bench_data import data_command
 
 app = typer.Typer(
     help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
@@ -28,14 +37,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,  # main() turns errors into one line; --debug shows tracebacks
 )
-
-FLAG_DECLS: dict[str, list[str]] = {
-    "workers": ["--workers", "-w"],
-    "gpu": ["--gpu/--cpu"],
-    "amp": ["--amp/--no-amp"],
-    "verbose": ["--verbose/--quiet"],
-}
-"""Flags whose spelling is not simply --field-name (scripts and docs rely on these)."""
 
 EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -60,10 +61,7 @@ def train_options(
             continue
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
         default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
-        decls = FLAG_DECLS.get(f.name) or [
-            f"--{f.name.replace('_', '-')}" + (f"/--no-{f.name.replace('_', '-')}" if kinds == [bool] else "")
-        ]
-        option = typer.Option(None, *decls, help=docs[f.name] + default, show_default=False)
+        option = typer.Option(None, *flag_decls(f.name), help=docs[f.name] + default, show_default=False)
         generated.append(
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kinds[0]])
         )
@@ -122,7 +120,8 @@ def scale(
     debug: bool = DEBUG,
 ) -> None:
     """Run the same job at each size; write the scaling table (CSV, Markdown) and plot (PNG)."""
-    from raytrain_ddp.scale import parse_sizes, scale as run_scale
+    from raytrain_ddp.tools.scale import parse_sizes
+    from raytrain_ddp.tools.scale import scale as run_scale
 
     run_scale(cfg, parse_sizes(workers))
 
@@ -145,7 +144,8 @@ def launch_command(
     Options go before the script; everything after it is the script's. Exit status: the first
     failing rank's, 75 when a signal stopped every rank cleanly, else 0.
     """
-    from raytrain_ddp.script import find_target, launch as run_script
+    from raytrain_ddp.script import find_target
+    from raytrain_ddp.script import launch as run_script
 
     raise typer.Exit(run_script(cfg, find_target(script, module, args or []), show_ranks, dry_run))
 
@@ -165,7 +165,7 @@ def bench_overhead(
     debug: bool = DEBUG,
 ) -> None:
     """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS, GPU memory."""
-    from raytrain_ddp.bench_overhead import bench_overhead as run_bench
+    from raytrain_ddp.tools.bench_overhead import bench_overhead as run_bench
 
     if rounds < 1:
         raise ConfigError(f"--rounds must be at least 1 (got {rounds})")
@@ -189,7 +189,7 @@ def verify(
     debug: bool = DEBUG,
 ) -> None:
     """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
-    from raytrain_ddp.verify import verify as verify_run
+    from raytrain_ddp.tools.verify import verify as verify_run
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
@@ -209,7 +209,7 @@ def check(
     debug: bool = DEBUG,
 ) -> None:
     """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
-    from raytrain_ddp.doctor import check as run_check
+    from raytrain_ddp.tools.check import check as run_check
 
     cfg = TrainConfig(
         workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
@@ -217,31 +217,6 @@ def check(
     )
     if not run_check(cfg, iters):
         raise typer.Exit(1)
-
-
-OOM_MARKERS = ("OutOfMemoryError", "running low on memory")
-"""How Ray's memory monitor says it killed a worker to save the node."""
-
-
-def one_line(err: BaseException) -> str:
-    """The last meaningful line of an error: for a remote failure, the worker's own exception."""
-    failures = getattr(err, "worker_failures", None)
-    if failures:
-        rank, cause = min(failures.items())
-        return f"training failed on rank {rank}: {one_line(cause)}"
-    text = f"{type(err).__name__}: {err}"
-    if "CUDA out of memory" in text:
-        return "a worker ran out of GPU memory: lower --batch-size, or keep --amp on"
-    if any(marker in text for marker in OOM_MARKERS):
-        return (
-            "Ray killed a worker because its node ran out of memory (host RAM): lower --batch-size "
-            "or --data-workers, or use fewer workers per node (--cpus-per-worker)"
-        )
-    cause = getattr(err, "controller_failure", None) or getattr(err, "cause", None)
-    if isinstance(cause, BaseException) and cause is not err:
-        return one_line(cause)
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
 
 
 def ours(argv: list[str]) -> list[str]:

@@ -12,10 +12,11 @@ import functools
 import inspect
 import json
 import math
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("none", "step", "cosine")
@@ -263,6 +264,23 @@ def _types_of(annotation: str) -> tuple[type, ...]:
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     f.name: _types_of(f.type) for f in fields(TrainConfig)  # annotations are strings here
 }
+
+
+FLAG_SPELLINGS: dict[str, list[str]] = {
+    "workers": ["--workers", "-w"],
+    "gpu": ["--gpu/--cpu"],
+    "amp": ["--amp/--no-amp"],
+    "verbose": ["--verbose/--quiet"],
+}
+"""Flags whose spelling is not simply --field-name (scripts and docs rely on these)."""
+
+
+def flag_decls(name: str) -> list[str]:
+    """A field's flag as typer declares it, long form first: --field-name, or --name/--no-name for a bool."""
+    if name in FLAG_SPELLINGS:
+        return FLAG_SPELLINGS[name]
+    flag = _flag(name)
+    return [flag + (f"/--no-{flag[2:]}" if FIELD_TYPES[name] == (bool,) else "")]
 
 
 @functools.cache

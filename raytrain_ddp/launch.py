@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
-from raytrain_ddp.metrics import tensorboard_writer, write_csv, write_json, write_parquet
+from raytrain_ddp.metrics import (
+    tensorboard_writer,
+    write_csv,
+    write_json,
+    write_parquet,
+)
 from raytrain_ddp.progress import Display
 
 POLL_S = 0.5
@@ -35,7 +40,13 @@ def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
 
 def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
     """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import (
+        CheckpointConfig,
+        FailureConfig,
+        LoggingConfig,
+        RunConfig,
+        ScalingConfig,
+    )
     from ray.train.torch import TorchConfig
 
     resources = {"CPU": cfg.cpus_per_worker}
@@ -233,6 +244,12 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(problem)
         time.sleep(1.0)
     chosen = choose_layout(cfg, [int(n.get("CPU", 0)) for n in nodes])
+    total_cpus = sum(int(n.get("CPU", 0)) for n in nodes)
+    if chosen.loader == "ray" and total_cpus - chosen.workers * chosen.cpus_per_worker < 1:
+        raise ConfigError(
+            "--loader ray decodes images in Ray Data tasks, which need CPUs beside the training workers', "
+            f"but the workers take all {total_cpus}; lower --workers or --cpus-per-worker, add CPUs, or use --loader torch"
+        )
     if chosen != cfg:
         node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
         print(
@@ -311,7 +328,9 @@ def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
 def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
     (the Python API) override cfg's: a name, an import path, or a callable."""
-    from raytrain_ddp import data, plugins, tracking
+    from raytrain_ddp import plugins, tracking
+    from raytrain_ddp.data.ray_ingest import ray_datasets
+    from raytrain_ddp.data.registry import validate
     from raytrain_ddp.models import model_builder
 
     started = time.time()
@@ -321,7 +340,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     if "model" not in given:
         model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
     if "dataset" not in given:
-        data.validate(cfg)
+        validate(cfg)
     tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
     if not cfg.resume:
@@ -344,7 +363,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
         scaling_config=scaling,
         run_config=run_config,
         torch_config=torch_config,
-        datasets=data.ray_datasets(cfg),
+        datasets=ray_datasets(cfg),
     )
     display = Display(cfg.progress, cfg.epochs)
     display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")

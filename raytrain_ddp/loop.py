@@ -15,7 +15,7 @@ import os
 import resource
 import socket
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import ray.train
@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp import checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.data import dataset_builder, make_loaders
+from raytrain_ddp.data.loaders import make_loaders
+from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.models import MODELS, model_builder
 
 PROGRESS_EVERY_S = 1.0
@@ -79,27 +80,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.seed + rank)  # from here on each rank draws its own augmentation
 
     # [4] Resume from the latest checkpoint: a restarted worker group, or a rerun of the same --name.
-    first_epoch, first_step, rows = 1, 0, []
-    saved_sums, saved_time = None, 0.0
-    restored = checkpoint.load(rank)
-    if restored is not None:
-        state, own = restored
-        try:
-            getattr(model, "module", model).load_state_dict(state["model"])
-        except RuntimeError:
-            raise ConfigError(
-                f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
-                f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
-            ) from None
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        first_epoch, first_step, rows = state["epoch"], state["step"], state["rows"]
-        if state["world_size"] != world_size:
-            first_step = 0  # another world size shards the epoch differently: redo it whole
-        if own is not None:
-            checkpoint.set_rng_states(own["rng"])
-            saved_sums, saved_time = own["sums"].to(device), own["train_time"]
+    resume = restore(cfg, rank, world_size, device, model, optimizer, scheduler, scaler)
+    rows = resume.rows
 
     def save(epoch: int, step: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
         shared = {}
@@ -122,19 +104,19 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             ranks=ranks,
             steps_per_epoch=loaders.steps_per_epoch,
-            resumed_at=[first_epoch, first_step] if restored is not None else None,
+            resumed_at=[resume.epoch, resume.step] if resume.resumed else None,
         )
         for row in rows:
             sink.epoch.remote(row)
 
     # [5] Epochs.
-    for epoch in range(first_epoch, cfg.epochs + 1):
-        skip = first_step if epoch == first_epoch else 0
+    for epoch in range(resume.epoch, cfg.epochs + 1):
+        skip = resume.step if epoch == resume.epoch else 0
         loaders.set_epoch(epoch, skip)  # this epoch's shuffle, the same on every rank, minus done batches
         model.train()
         # (loss x n, correct, n) accumulate on the device: no host sync per step.
-        sums = saved_sums if skip else torch.zeros(3, dtype=torch.float64, device=device)
-        train_time, data_wait = (saved_time if skip else 0.0), 0.0
+        sums = resume.sums if skip else torch.zeros(3, dtype=torch.float64, device=device)
+        train_time, data_wait = (resume.train_time if skip else 0.0), 0.0
         bad_step = torch.zeros((), dtype=torch.float64, device=device)
         tick = step_end = time.perf_counter()
         last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
@@ -163,7 +145,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
             if rank == 0 and time.perf_counter() - last_update >= PROGRESS_EVERY_S:
                 last_update = time.perf_counter()
-                rate = (sums[2].item() - (saved_sums[2].item() if skip else 0)) * world_size
+                rate = (sums[2].item() - (resume.sums[2].item() if skip else 0)) * world_size
                 sink.step.remote(
                     epoch=epoch, step=step, loss=loss.item(), at=time.time(),
                     samples_per_s=rate / max(last_update - tick, 1e-9),
@@ -183,32 +165,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             step_end = time.perf_counter()
         train_time += time.perf_counter() - tick
         stop = agree_to_stop(rank, sink, bad_step, epoch)
-        train_loss, train_acc, train_n = all_reduce_means(sums)
-
-        val_loss, val_acc, _ = evaluate(model, loaders.val, device, amp_dtype)
-        lr = optimizer.param_groups[0]["lr"]
-        rss_mib, gpu_mib, wait_frac, skipped = epoch_resources(
-            cuda, data_wait, train_time, loaders.skipped(), world_size, device
-        )
-        rows.append(
-            {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "train_acc": train_acc,
-                "val_loss": val_loss,
-                "val_acc": val_acc,
-                "lr": lr,
-                "epoch_time_s": train_time,
-                "throughput": train_n / train_time,
-                "samples": int(train_n),
-                "world_size": world_size,
-                "backend": dist.get_backend() if dist.is_initialized() else "none",
-                "gpu_mem_peak_mib": gpu_mib,
-                "cpu_rss_mib": rss_mib,
-                "data_wait_frac": wait_frac,
-                "skipped_samples": skipped,
-            }
-        )
+        train = all_reduce_means(sums)
+        val = evaluate(model, loaders.val, device, amp_dtype)
+        resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device)
+        rows.append(epoch_row(epoch, train, val, optimizer.param_groups[0]["lr"], train_time, world_size, resources))
         if rank == 0:
             sink.epoch.remote(rows[-1])
         save(epoch + 1, 0, sums, 0.0, rows[-1])
@@ -216,6 +176,67 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             if rank == 0:
                 sink.stopped.remote(epoch=epoch + 1, step=0)
             return
+
+
+class Resume(NamedTuple):
+    """Where training continues: epoch and micro-batch, the rows so far, and this rank's sums and time."""
+
+    epoch: int
+    step: int
+    rows: list[dict[str, Any]]
+    sums: torch.Tensor | None
+    train_time: float
+    resumed: bool
+
+
+def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, model, optimizer, scheduler, scaler) -> Resume:
+    """Load the latest checkpoint, if any, into the model, optimizer, schedule and scaler."""
+    restored = checkpoint.load(rank)
+    if restored is None:
+        return Resume(1, 0, [], None, 0.0, resumed=False)
+    state, own = restored
+    try:
+        getattr(model, "module", model).load_state_dict(state["model"])
+    except RuntimeError:
+        raise ConfigError(
+            f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
+            f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
+        ) from None
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    step = state["step"] if state["world_size"] == world_size else 0  # another world size shards the epoch differently: redo it
+    sums, train_time = None, 0.0
+    if own is not None:
+        checkpoint.set_rng_states(own["rng"])
+        sums, train_time = own["sums"].to(device), own["train_time"]
+    return Resume(state["epoch"], step, state["rows"], sums, train_time, resumed=True)
+
+
+def epoch_row(
+    epoch: int, train: tuple[float, float, float], val: tuple[float, float, float], lr: float, train_time: float,
+    world_size: int, resources: tuple,
+) -> dict[str, Any]:
+    """One row of metrics.csv: all-reduced (loss, accuracy, count) of train and val, and the epoch's costs."""
+    (train_loss, train_acc, train_n), (val_loss, val_acc, _) = train, val
+    rss_mib, gpu_mib, wait_frac, skipped = resources
+    return {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "train_acc": train_acc,
+        "val_loss": val_loss,
+        "val_acc": val_acc,
+        "lr": lr,  # at the epoch's end
+        "epoch_time_s": train_time,
+        "throughput": train_n / train_time,
+        "samples": int(train_n),
+        "world_size": world_size,
+        "backend": dist.get_backend() if dist.is_initialized() else "none",
+        "gpu_mem_peak_mib": gpu_mib,
+        "cpu_rss_mib": rss_mib,
+        "data_wait_frac": wait_frac,
+        "skipped_samples": skipped,
+    }
 
 
 def forward_backward(

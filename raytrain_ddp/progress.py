@@ -31,7 +31,12 @@ class Display:
         self.last_plain = 0.0
         self.bar = self.task = None
         if mode == "rich":
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(
                 TextColumn("[bold]{task.description}"),

@@ -21,7 +21,14 @@ from typing import Any, TextIO
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.launch import (
-    EXIT_STOPPED, check_writable, choose_layout, connect, preflight, resolve_run, ship_code, trainer_configs,
+    EXIT_STOPPED,
+    check_writable,
+    choose_layout,
+    connect,
+    preflight,
+    resolve_run,
+    ship_code,
+    trainer_configs,
 )
 from raytrain_ddp.metrics import write_json
 
@@ -108,7 +115,9 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     connect(cfg)
     cfg = preflight(cfg)
 
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer, minus its process group
+    from ray.train.v2.api.data_parallel_trainer import (
+        DataParallelTrainer,  # TorchTrainer, minus its process group
+    )
 
     from raytrain_ddp import shipping
     from raytrain_ddp.agent import LaunchHub, run_script

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import raytrain
+
 from raytrain_ddp.metrics import read_csv
 
 pytestmark = pytest.mark.e2e
@@ -104,7 +104,7 @@ def test_no_resume_moves_the_old_run_aside(ray_head, tmp_path):
 
 def test_worker_killed_for_memory_says_so(tmp_path):
     # A head whose memory monitor thinks any use is too much: Ray's real OOM killer fires.
-    from raytrain_ddp.head import local_head
+    from raytrain_ddp.tools.head import local_head
 
     with local_head(num_cpus=2, extra_env={"RAY_memory_usage_threshold": "0.01",
                                            "RAY_memory_monitor_refresh_ms": "100"}) as head:

@@ -6,8 +6,8 @@ import json
 import time
 
 import pytest
-
 from conftest import HEAD_CPUS, TINY, raytrain
+
 from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
 
 

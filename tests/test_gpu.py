@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import REPO, TINY, raytrain
 
 pytestmark = [

@@ -13,15 +13,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import TINY, free_port, raytrain
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import TINY, free_port, raytrain
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.metrics import read_csv
 from raytrain_ddp.loop import (
-    apply_gradients, ddp_options, forward_backward, lr_factor, make_optimizer, make_scheduler,
+    apply_gradients,
+    ddp_options,
+    forward_backward,
+    lr_factor,
+    make_optimizer,
+    make_scheduler,
 )
+from raytrain_ddp.metrics import read_csv
 from raytrain_ddp.models import MODELS
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
@@ -61,7 +66,8 @@ def ddp_rank(rank: int, port: int, results, static: TrainConfig) -> None:
     shard = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(3, 64)]
     train(model, CFG, shard, micro=4)
     if rank == 0:
-        results.put({k: v.clone() for k, v in model.module.state_dict().items()})
+        # numpy, pickled by value: a tensor would be shared through a socket of this process, gone once it exits
+        results.put({k: v.numpy().copy() for k, v in model.module.state_dict().items()})
     dist.destroy_process_group()
 
 
@@ -82,8 +88,8 @@ def test_accumulation_across_ddp_ranks_matches_one_big_batch():
         p.join(timeout=60)
         assert p.exitcode == 0
     for key, value in reference.state_dict().items():
-        torch.testing.assert_close(accumulated[key], value, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(mlp().state_dict()["0.weight"], accumulated["0.weight"])  # it did train
+        torch.testing.assert_close(torch.from_numpy(accumulated[key]), value, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(mlp().state_dict()["0.weight"], torch.from_numpy(accumulated["0.weight"]))  # it trained
 
 
 def test_clipping_bounds_the_gradient_norm():

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, raytrain
 from test_cli import assert_refused
+
 from raytrain_ddp.metrics import read_csv
 
 USER_CODE = Path(__file__).parent / "scripts" / "user_code.py"

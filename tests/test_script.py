@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, raytrain
 from test_cli import assert_refused
+
 from raytrain_ddp.script import parse_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"

@@ -24,7 +24,7 @@ import typer
 from raytrain_ddp.config import ConfigError
 
 if TYPE_CHECKING:
-    from raytrain_ddp.formats import Samples
+    from raytrain_ddp.data.formats import Samples
 
 FORMATS = ("mnist", "cifar10", "tinyimagenet", "imagefolder")
 """The source formats; their readers are data.READERS (imported late: torch is slow to import)."""
@@ -46,8 +46,8 @@ def convert(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write dst/{train,val}/part-NNNNN.parquet and dst/manifest.json; return the manifest."""
-    from raytrain_ddp import formats
-    from raytrain_ddp.data import READERS, hold_out
+    from raytrain_ddp.data import formats
+    from raytrain_ddp.data.registry import READERS, hold_out
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -61,7 +61,13 @@ def convert(
     clear(dst, overwrite)
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -113,8 +119,8 @@ def write_split(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raytrain_ddp import formats
-    from raytrain_ddp.formats import BadSample
+    from raytrain_ddp.data import formats
+    from raytrain_ddp.data.formats import BadSample
 
     schema = pa.schema([("image", pa.binary()), ("label", pa.int64()), ("source", pa.string())])
     files: list[str] = []

@@ -9,12 +9,19 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from sample_files import (
+    CLASSES,
+    spoil,
+    write_cifar10,
+    write_imagefolder,
+    write_mnist,
+    write_tinyimagenet,
+)
 from typer.testing import CliRunner
 
-from raytrain_ddp import formats
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.convert import convert, data_app
-from test_data import CLASSES, spoil, write_cifar10, write_imagefolder, write_mnist, write_tinyimagenet
+from raytrain_ddp.data import formats
+from raytrain_ddp.data.convert import convert, data_app
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 

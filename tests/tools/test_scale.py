@@ -5,10 +5,10 @@ from __future__ import annotations
 import csv
 
 import pytest
-
 from conftest import TINY, raytrain
+
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.scale import parse_sizes, table
+from raytrain_ddp.tools.scale import parse_sizes, table
 
 
 def summary(workers: int) -> dict:

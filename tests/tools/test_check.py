@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import raytrain
-from raytrain_ddp.doctor import bus_bandwidth_gbps
+
+from raytrain_ddp.tools.check import bus_bandwidth_gbps
 
 
 def test_bus_bandwidth_formula():

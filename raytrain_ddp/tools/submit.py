@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 import raytrain_ddp
-from raytrain_ddp.config import ConfigError, TrainConfig, resolve
+from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
 from raytrain_ddp.launch import PASSED_TO_WORKERS
 from raytrain_ddp.script import LAUNCH_FIELDS, find_target
 from raytrain_ddp.shipping import SHIP_EXCLUDES
@@ -207,26 +207,17 @@ def run_flags(cfg: TrainConfig) -> list[str]:
     """`raytrain run` flags that rebuild `cfg`: each value that differs from the default, spelled
     as the `run` command declares it (--gpu/--cpu, --amp/--no-amp, ...). The defaults are the same
     on the cluster because the package travels with the job."""
-    import typer.main
-
-    from raytrain_ddp.cli import app
-
-    options = {p.name: p for p in typer.main.get_command(app).commands["run"].params}
     defaults = TrainConfig()
-
-    def long(names: list[str]) -> str:
-        return next(n for n in names if n.startswith("--"))
-
     flags: list[str] = []
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         if value is None or value == getattr(defaults, f.name):
             continue
-        option = options[f.name]
+        on, _, off = flag_decls(f.name)[0].partition("/")
         if isinstance(value, bool):
-            flags.append(long(option.opts if value else option.secondary_opts))
+            flags.append(on if value else off)
         else:
-            flags += [long(option.opts), str(value)]
+            flags += [on, str(value)]
     return flags
 
 
@@ -245,16 +236,12 @@ def runtime_env() -> dict[str, Any]:
     }
 
 
-def launch_job(argv: list[str]) -> tuple[TrainConfig, str, dict[str, Any]]:
+def launch_job(argv: list[str], parse_launch: Callable[[list[str]], dict[str, Any]]) -> tuple[TrainConfig, str, dict[str, Any]]:
     """`raytrain launch ARGV` as a job: its config, its entrypoint and its runtime_env. ARGV is
-    parsed by the real `launch` command and its script found here, so a typo fails in one line
-    before anything is uploaded."""
-    import typer.main
-
-    from raytrain_ddp.cli import app
-
+    parsed by the real `launch` command (`parse_launch`, from the CLI that registered submit) and
+    its script found here, so a typo fails in one line before anything is uploaded."""
     try:
-        params = typer.main.get_command(app).commands["launch"].make_context("launch", list(argv)).params
+        params = parse_launch(list(argv))
     except typer.TyperException as err:  # click's usage errors, as typer ships them
         reason = " ".join(err.format_message().split()).rstrip(".")
         raise ConfigError(f"in the launch command: {reason}; see raytrain launch --help") from None
@@ -287,7 +274,8 @@ def run_dir(cfg: TrainConfig) -> str:
 
 
 def submit(
-    cfg: TrainConfig, address: str | None, wait: bool = True, dry_run: bool = False, launch: list[str] | None = None
+    cfg: TrainConfig, address: str | None, wait: bool = True, dry_run: bool = False, launch: list[str] | None = None,
+    parse_launch: Callable[[list[str]], dict[str, Any]] | None = None,
 ) -> int:
     """Submit `raytrain run` with cfg, or, given `launch` and a launch command line, that launch."""
     if launch:
@@ -304,7 +292,7 @@ def submit(
                 f"{flag} is a run option, but submit takes either run options or a launch command; "
                 "put launch's own options (-w, --storage-path...) after `launch`"
             )
-        cfg, command, env = launch_job(launch[1:])
+        cfg, command, env = launch_job(launch[1:], parse_launch)
     else:
         cfg = for_cluster(cfg)
         command, env = entrypoint(cfg), runtime_env()
@@ -431,6 +419,11 @@ ADDRESS_HELP = (
 
 def register(app: typer.Typer, train_options: Callable[..., Any], debug_option: Any) -> None:
     """Add submit, status, logs and stop to the `raytrain` app (cli.py calls this)."""
+    import typer.main
+
+    def parse_launch(argv: list[str]) -> dict[str, Any]:
+        """What the app's own `launch` command would make of argv (no run)."""
+        return typer.main.get_command(app).commands["launch"].make_context("launch", argv).params
 
     # Stop at the first word, `launch`: the options after it are the launch command's, not submit's.
     @app.command("submit", context_settings={"allow_interspersed_args": False})
@@ -449,7 +442,7 @@ def register(app: typer.Typer, train_options: Callable[..., Any], debug_option: 
         debug: bool = debug_option,
     ) -> None:
         """Run training, or `launch` a script, as a Ray job; exit 0 SUCCEEDED, the run's status FAILED, 130 STOPPED."""
-        raise typer.Exit(submit(cfg, address, wait=wait, dry_run=dry_run, launch=launch))
+        raise typer.Exit(submit(cfg, address, wait=wait, dry_run=dry_run, launch=launch, parse_launch=parse_launch))
 
     @app.command("status")
     def status_command(

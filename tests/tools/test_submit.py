@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import typer.main
 import yaml
-
 from conftest import REPO, TINY, free_port, local_head, raytrain
 from test_cli import assert_refused
-from raytrain_ddp import submit
+
 from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
 from raytrain_ddp.shipping import SHIP_EXCLUDES
+from raytrain_ddp.tools import submit
 
 HEAD_CPUS = 2  # the tiny runs below take 2 workers x 1 CPU
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
@@ -91,7 +91,9 @@ def parse_launch(args: list[str]) -> dict:
 
 def test_launch_entrypoint_keeps_the_script_args_and_ships_its_directory():
     script_args = ["--out", "/mnt/shared/out", "--workers", "9", "--name", "mine", "-m"]
-    cfg, command, env = submit.launch_job(["-w", "2", "--storage-path", "/mnt/shared/runs", str(SCRIPT), *script_args])
+    cfg, command, env = submit.launch_job(
+        ["-w", "2", "--storage-path", "/mnt/shared/runs", str(SCRIPT), *script_args], parse_launch
+    )
     words = shlex.split(command)
     assert words[:4] == ["python", "-m", "raytrain_ddp", "launch"]
     assert words[-len(script_args):] == script_args  # after the script, all is the script's
@@ -110,7 +112,7 @@ def test_launch_of_a_module_ships_its_root(monkeypatch):
     monkeypatch.chdir(REPO / "tests")
     monkeypatch.setattr(sys, "path", list(sys.path))  # find_target adds the cwd, as `python -m` does
     launch = ["--storage-path", "/runs", "--name", "a", "-m", "scripts.torchrun_train", "-x"]
-    cfg, command, env = submit.launch_job(launch)
+    cfg, command, env = submit.launch_job(launch, parse_launch)
     assert shlex.split(command)[4:] == launch  # the user's line: -m MODULE as typed, the name already given
     assert Path(env["working_dir"]) == REPO / "tests"
     assert submit.run_dir(cfg) == "/runs/a"

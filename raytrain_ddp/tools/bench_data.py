@@ -108,7 +108,7 @@ def baseline(root: Path, cpus: int, batch_size: int, passes: int) -> tuple[int, 
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
 
-    from raytrain_ddp.data import IMAGENET_MEAN, IMAGENET_STD
+    from raytrain_ddp.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     transform = v2.Compose([
         v2.ToImage(),
@@ -125,7 +125,7 @@ def baseline(root: Path, cpus: int, batch_size: int, passes: int) -> tuple[int, 
 def torch_path(dataset: str, root: Path, cpus: int, batch_size: int, passes: int) -> tuple[int, float, float | None]:
     """Our --loader torch, exactly as a worker builds it (one rank)."""
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data import make_loaders
+    from raytrain_ddp.data.loaders import make_loaders
 
     cfg = TrainConfig(
         dataset=dataset, data_dir=str(root), image_size=SIZE, num_classes=CLASSES, train_samples=0,
@@ -137,9 +137,10 @@ def torch_path(dataset: str, root: Path, cpus: int, batch_size: int, passes: int
 
 def ray_path(root: Path, batch_size: int, passes: int) -> tuple[int, float, float | None]:
     """Our --loader ray: the same lazy Dataset ray_datasets builds, read as a worker reads its shard."""
-    from raytrain_ddp import formats
     from raytrain_ddp.config import TrainConfig
-    from raytrain_ddp.data import RECIPES, SHUFFLE_BUFFER_BATCHES, RayShard, normalization, ray_split
+    from raytrain_ddp.data import formats
+    from raytrain_ddp.data.ray_ingest import SHUFFLE_BUFFER_BATCHES, RayShard, ray_split
+    from raytrain_ddp.data.transforms import RECIPES, normalization
 
     cfg = TrainConfig(
         dataset="parquet", data_dir=str(root), loader="ray", image_size=SIZE, num_classes=CLASSES,
@@ -164,7 +165,7 @@ def bench_data(
     """Generate the images, time each path, print the table; return the figures."""
     import ray
 
-    from raytrain_ddp.convert import convert
+    from raytrain_ddp.data.convert import convert
 
     cpus = cpus or os.cpu_count() or 1
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raytrain-bench-"))

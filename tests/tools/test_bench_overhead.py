@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import raytrain
-from raytrain_ddp.bench_overhead import VARIANTS, report
+
+from raytrain_ddp.tools.bench_overhead import VARIANTS, report
 
 
 def test_report_ratios_against_torchrun():

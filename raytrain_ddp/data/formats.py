@@ -58,7 +58,7 @@ class Layout(NamedTuple):
     """Which format it came from: mnist, cifar10, tinyimagenet or imagefolder (picks the transforms)."""
     train: Samples
     val: Samples | None
-    """None when the data has no validation split: data.py holds out --val-fraction of train."""
+    """None when the data has no validation split: registry.py holds out --val-fraction of train."""
     classes: list[str]
     channels: int
     image_size: int | None

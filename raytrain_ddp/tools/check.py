@@ -85,7 +85,9 @@ def nodes_table() -> list[str]:
 
 def auth_enabled() -> bool:
     try:
-        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+        from ray._private.authentication.authentication_utils import (
+            is_token_auth_enabled,
+        )
     except ImportError:  # an older Ray without token auth
         return False
     return is_token_auth_enabled()
@@ -122,7 +124,7 @@ def check(cfg: Any, iters: int) -> bool:
     for r in failed:
         print(f"FAIL  rank {r['rank']} on {r['host']} ({r['ip']}): {r['error']}")
     if error is not None and not failed:  # it failed before any rank could run the check
-        from raytrain_ddp.cli import one_line
+        from raytrain_ddp.errors import one_line
 
         print(f"FAIL  starting {cfg.workers} ranks and their {cfg.resolved_backend} process group: {one_line(error)}")
     if error is not None or failed or len(reports) != cfg.workers:

@@ -1,0 +1,56 @@
+"""What the worker loop iterates, from either ingest path: a rank's batches, minus unreadable samples."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, NamedTuple
+
+import torch
+
+UNREADABLE = -1
+"""Label of a sample that failed to decode under --skip-bad: Batches drops it and counts it."""
+
+
+class Loaders(NamedTuple):
+    """What the worker loop iterates: batches of (images, labels) for this rank only."""
+
+    train: Iterable
+    val: Iterable
+    set_epoch: Callable[..., None]
+    """set_epoch(epoch, skip=0), before each epoch: reshuffles the training shards, the same way on
+    every rank, and starts the epoch after its first `skip` batches (resuming mid-epoch)."""
+    steps_per_epoch: int
+    in_channels: int
+    skipped: Callable[[], int]
+    """Unreadable samples this rank dropped so far this epoch (train + val; only with --skip-bad)."""
+
+
+class SkipCount:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class Batches:
+    """One split's (images, labels) batches for this rank; iterate once per epoch.
+
+    Rows labelled UNREADABLE (--skip-bad) are dropped and counted. A training batch is never dropped
+    whole: DDP needs the same number of steps on every rank, or its all-reduce waits forever.
+    """
+
+    def __init__(self, source: Iterable, skips: SkipCount, train: bool):
+        self.source, self.skips, self.train = source, skips, train
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels in self.source:
+            bad = labels == UNREADABLE
+            n_bad = int(bad.sum())
+            if n_bad:
+                self.skips.count += n_bad
+                if n_bad == len(labels):
+                    if not self.train:
+                        continue
+                    raise RuntimeError(
+                        f"all {n_bad} samples of a training batch were unreadable ({self.skips.count} skipped "
+                        "this epoch on this rank); most of --data-dir is bad, check it"
+                    )
+                images, labels = images[~bad], labels[~bad]
+            yield images, labels

@@ -1,0 +1,243 @@
+"""The dataset registry: --dataset name (or the user's import path) to a builder of train and val
+Datasets, with splits and caps; and the driver's checks of --data-dir, in seconds, before any worker starts.
+
+The file formats themselves are read by formats.py; transforms.py wraps the samples for the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from raytrain_ddp import plugins
+from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.data import formats
+from raytrain_ddp.data.download import DOWNLOADS, download
+from raytrain_ddp.data.formats import Layout, Samples
+from raytrain_ddp.data.transforms import RECIPES, Prepared, augmentation, normalization
+
+SYNTHETIC_SIZES = (4096, 1024)
+"""Synthetic train and val sizes when --train-samples / --val-samples are not given."""
+SPLIT_SEED = 0
+"""Seeds the held-out val split and the sample caps. Fixed, not --seed: runs compare on one val set."""
+
+
+class Data(NamedTuple):
+    train: Dataset
+    val: Dataset
+    in_channels: int
+
+
+
+class SyntheticImages(Dataset):
+    """Smooth per-class prototype images plus per-sample noise: learnable, generated from the seed.
+
+    Samples are made on demand from (seed, split, index), so nothing is held in memory and every rank
+    and every DataLoader worker produces the same sample for the same index.
+    """
+
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, split: int):
+        self.size, self.seed, self.split = size, seed, split
+        g = torch.Generator().manual_seed(seed)
+        low_res = torch.randn(num_classes, 3, 4, 4, generator=g)
+        self.prototypes = F.interpolate(low_res, size=image_size, mode="bilinear", align_corners=False)
+        self.prototypes /= self.prototypes.std(dim=(1, 2, 3), keepdim=True)
+        g.manual_seed(seed * 7919 + split)
+        self.labels = torch.randint(num_classes, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        g = torch.Generator().manual_seed(((self.seed * 7919 + self.split) << 32) + index)
+        label = int(self.labels[index])
+        noise = torch.randn(self.prototypes.shape[1:], generator=g)
+        # Noise at 2x the signal keeps the first epoch well short of 100%, so "it learned" shows.
+        return self.prototypes[label] + 2.0 * noise, label
+
+
+def synthetic(cfg: TrainConfig) -> Data:
+    train_size = cfg.train_samples or SYNTHETIC_SIZES[0]
+    val_size = cfg.val_samples or SYNTHETIC_SIZES[1]
+    make = lambda size, split: SyntheticImages(size, cfg.num_classes, cfg.image_size, cfg.seed, split)
+    return Data(make(train_size, 0), make(val_size, 1), in_channels=3)
+
+
+def from_files(cfg: TrainConfig) -> Data:
+    """A dataset in --data-dir, read by its format's reader (READERS)."""
+    return prepare(cfg, READERS[cfg.dataset](data_root(cfg)))
+
+
+def parquet(cfg: TrainConfig) -> Data:
+    data = from_files(cfg)
+    # Load the image bytes now, in this process, so DataLoader workers share them after fork.
+    for split in (data.train, data.val):
+        split.samples.load_images()
+    return data
+
+
+DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
+    "synthetic": synthetic,
+    "mnist": from_files,
+    "cifar10": from_files,
+    "tinyimagenet": from_files,
+    "imagefolder": from_files,
+    "parquet": parquet,
+}
+
+READERS: dict[str, Callable[[Path], Layout]] = {
+    "mnist": formats.read_mnist,
+    "cifar10": formats.read_cifar10,
+    "tinyimagenet": formats.read_tinyimagenet,
+    "imagefolder": formats.read_imagefolder,
+    "parquet": formats.read_parquet,
+}
+"""The datasets read from --data-dir."""
+
+
+def dataset_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[[TrainConfig], Data]:
+    """The builder for --dataset: a registry name, an import path, or a callable given by the Python API."""
+    if given is None and not plugins.is_import_path(name):
+        return DATASETS[name]
+    return functools.partial(user_dataset, name, given or plugins.load(name, "--dataset"))
+
+
+def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data:
+    """The user's CALLABLE(split=, data_dir=, image_size=), called for "train" and "val", checked.
+
+    Used whole: --train-samples/--val-samples size the synthetic set and cap the built-in ones; a
+    builder that wants fewer samples returns fewer."""
+    splits = []
+    for split_name in ("train", "val"):
+        ds = build(split=split_name, data_dir=cfg.data_dir, image_size=cfg.image_size)
+        if not (isinstance(ds, Dataset) and hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise ConfigError(
+                f"--dataset {name} returned a {type(ds).__name__} for split={split_name!r}; return a map-style "
+                "torch.utils.data.Dataset (with __len__ and __getitem__) of (input tensor, class index) pairs"
+            )
+        if len(ds) == 0:
+            raise ConfigError(f"--dataset {name} returned an empty {split_name} split")
+        splits.append(ds)
+    first = splits[0][0]
+    if not (isinstance(first, (tuple, list)) and len(first) == 2 and torch.is_tensor(first[0]) and first[0].dim() >= 1):
+        raise ConfigError(
+            f"--dataset {name}: a sample must be (input tensor of 1 or more dimensions, class index); "
+            f"got {type(first).__name__}"
+        )
+    return Data(splits[0], splits[1], in_channels=int(first[0].shape[0]))
+
+
+def data_root(cfg: TrainConfig) -> Path:
+    if not cfg.data_dir:
+        raise ConfigError(f"--dataset {cfg.dataset} reads files: pass --data-dir DIR")
+    return Path(cfg.data_dir).expanduser()
+
+
+def prepare(cfg: TrainConfig, layout: Layout) -> Data:
+    """Split, cap and wrap a dataset read from disk with its transforms."""
+    from torchvision.transforms import v2
+
+    train, val = split(cfg, layout)
+    recipe = RECIPES.get(layout.source, RECIPES["imagefolder"])
+    shape = (layout.channels, cfg.image_size, cfg.image_size)
+
+    def wrap(samples: Samples, is_train: bool) -> Prepared:
+        augment = augmentation(is_train, cfg.image_size, layout.image_size, recipe.flip)
+        return Prepared(samples, v2.Compose([augment, normalization(recipe)]), cfg.skip_bad, shape)
+
+    return Data(wrap(train, True), wrap(val, False), layout.channels)
+
+
+def split(cfg: TrainConfig, layout: Layout) -> tuple[Samples, Samples]:
+    """(train, val): the data's own val split or --val-fraction held out, each capped by --*-samples."""
+    train, val = layout.train, layout.val
+    if val is None:
+        train, val = hold_out(train, cfg.val_fraction)
+    return cap(train, cfg.train_samples), cap(val, cfg.val_samples)
+
+
+def hold_out(samples: Samples, fraction: float) -> tuple[Samples, Samples]:
+    """(train, val) with a fixed random `fraction` of the samples in val."""
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(samples))
+    n_val = round(len(samples) * fraction)
+    if not 0 < n_val < len(samples):
+        raise ConfigError(
+            f"--val-fraction {fraction} of {len(samples)} samples leaves an empty split; "
+            "add samples, change --val-fraction, or add a val/ folder"
+        )
+    return samples.select(np.sort(order[n_val:])), samples.select(np.sort(order[:n_val]))
+
+
+def cap(samples: Samples, limit: int | None) -> Samples:
+    """A fixed random subset of `limit` samples (None or 0 = all); random, so every class stays in it."""
+    if not limit or limit >= len(samples):
+        return samples
+    keep = np.random.default_rng(SPLIT_SEED).permutation(len(samples))[:limit]
+    return samples.select(np.sort(keep))
+
+
+# --- driver-side checks ---
+
+def validate(cfg: TrainConfig) -> None:
+    """Driver-side checks that fail in seconds, before any worker starts (names the fix).
+
+    With --download, fetches a dataset first if it is not already in --data-dir.
+    """
+    if plugins.is_import_path(cfg.dataset):
+        plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
+    elif cfg.dataset not in DATASETS:
+        raise ConfigError(
+            f"unknown --dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}, or give your own as "
+            "PKG.MODULE:CALLABLE"
+        )
+    if cfg.loader == "ray" and cfg.dataset != "parquet":
+        how = f"`raytrain data convert SRC DST --format {cfg.dataset}`" if cfg.dataset in READERS else "`raytrain data convert`"
+        raise ConfigError(f"--loader ray reads Parquet shards: write them with {how}, then pass --dataset parquet --data-dir DST")
+    if cfg.dataset == "synthetic" or plugins.is_import_path(cfg.dataset):
+        return
+    if cfg.download and cfg.dataset not in DOWNLOADS:
+        raise ConfigError(f"--dataset {cfg.dataset} has no public source to download; drop --download")
+    root = data_root(cfg)
+    try:
+        layout = READERS[cfg.dataset](root)
+    except ConfigError:
+        if not cfg.download:
+            raise
+        download(cfg.dataset, root)
+        layout = READERS[cfg.dataset](root)
+    check_labels(cfg, layout)
+    train, val = split(cfg, layout)
+    full_train, full_val = split(dataclasses.replace(cfg, train_samples=0, val_samples=0), layout)
+    if len(train) < len(full_train) or len(val) < len(full_val):
+        print(
+            f"note: using {len(train)} of {len(full_train)} train and {len(val)} of {len(full_val)} val samples "
+            "(--train-samples, --val-samples); leave them out to use all",
+            file=sys.stderr,
+        )
+
+
+def check_labels(cfg: TrainConfig, layout: Layout) -> None:
+    if len(layout.classes) > cfg.num_classes:
+        raise ConfigError(
+            f"{cfg.data_dir} has {len(layout.classes)} classes but --num-classes is {cfg.num_classes}; "
+            f"pass --num-classes {len(layout.classes)}"
+        )
+    for samples in (layout.train, layout.val):
+        if samples is None or len(samples) == 0:
+            continue
+        bad = np.flatnonzero((samples.labels < 0) | (samples.labels >= cfg.num_classes))
+        if len(bad):
+            first = int(bad[0])
+            raise ConfigError(
+                f"label {samples.labels[first]} of {samples.source(first)} is outside --num-classes "
+                f"{cfg.num_classes} ({len(bad)} such samples); pass --num-classes {int(samples.labels.max()) + 1} "
+                "or fix the labels"
+            )

@@ -1,0 +1,27 @@
+"""Errors to one line: what a user reads when a run fails, instead of a page of Ray internals."""
+
+from __future__ import annotations
+
+OOM_MARKERS = ("OutOfMemoryError", "running low on memory")
+"""How Ray's memory monitor says it killed a worker to save the node."""
+
+
+def one_line(err: BaseException) -> str:
+    """The last meaningful line of an error: for a remote failure, the worker's own exception."""
+    failures = getattr(err, "worker_failures", None)
+    if failures:
+        rank, cause = min(failures.items())
+        return f"training failed on rank {rank}: {one_line(cause)}"
+    text = f"{type(err).__name__}: {err}"
+    if "CUDA out of memory" in text:
+        return "a worker ran out of GPU memory: lower --batch-size, or keep --amp on"
+    if any(marker in text for marker in OOM_MARKERS):
+        return (
+            "Ray killed a worker because its node ran out of memory (host RAM): lower --batch-size "
+            "or --data-workers, or use fewer workers per node (--cpus-per-worker)"
+        )
+    cause = getattr(err, "controller_failure", None) or getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and cause is not err:
+        return one_line(cause)
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__

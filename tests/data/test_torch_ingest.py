@@ -1,0 +1,145 @@
+"""The torch ingest path: disjoint shards, bad samples, and `raytrain run` on each format end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, raytrain
+from sample_files import (
+    assert_learned,
+    cfg_for,
+    every_batch,
+    spoil,
+    train,
+    write_cifar10,
+    write_imagefolder,
+    write_mnist,
+    write_tinyimagenet,
+)
+
+from raytrain_ddp.data import formats
+from raytrain_ddp.data.batches import UNREADABLE, Batches, SkipCount
+from raytrain_ddp.data.convert import convert
+from raytrain_ddp.data.loaders import make_loaders
+from raytrain_ddp.data.registry import validate
+
+# --- the torch ingest path: sharding ---
+
+def test_torch_path_shards_are_disjoint_and_cover_the_epoch(tmp_path):
+    write_imagefolder(tmp_path, per_class=10, val_per_class=5)  # 40 train, 20 val
+    world = 3
+    cfg = cfg_for("imagefolder", tmp_path, batch_size=4)
+    loaders = [make_loaders(cfg, rank, world, cuda=False) for rank in range(world)]
+    n_train = 40
+    for epoch in (1, 2):
+        orders = []
+        for loader in loaders:
+            loader.set_epoch(epoch)
+            orders.append(list(loader.train.source.sampler))
+        per_rank = -(-n_train // world)  # DistributedSampler pads to equal shards by repeating samples
+        assert all(len(o) == per_rank for o in orders)
+        assert all(loader.steps_per_epoch == -(-per_rank // cfg.batch_size) for loader in loaders)
+        flat = [i for o in orders for i in o]
+        assert set(flat) == set(range(n_train))
+        assert len(flat) - len(set(flat)) == world * per_rank - n_train  # only the padding repeats
+        if epoch == 1:
+            first = orders
+    assert first != orders  # reshuffled per epoch
+    loaders[0].set_epoch(2, 3)  # resuming after 3 batches: the same order, minus those
+    assert list(loaders[0].train.source.sampler) == orders[0][3 * cfg.batch_size:]
+    val = [list(loader.val.source.dataset.indices) for loader in loaders]
+    assert sorted(i for v in val for i in v) == list(range(20))  # val: each sample exactly once
+
+
+# --- bad samples, at the moment they are read ---
+
+def test_a_corrupt_image_stops_loading_with_its_name(tmp_path):
+    write_imagefolder(tmp_path, per_class=4, val_per_class=2)
+    jpeg = tmp_path / "train" / "class_2" / "0002.jpg"
+    jpeg.write_bytes(jpeg.read_bytes()[:200])
+    loaders = make_loaders(cfg_for("imagefolder", tmp_path, batch_size=64), 0, 1, cuda=False)
+    with pytest.raises(formats.BadSample, match=f"cannot decode image {jpeg}: .*truncated.*--skip-bad"):
+        every_batch(loaders)
+
+
+def test_skip_bad_drops_and_counts_unreadable_samples(tmp_path):
+    write_imagefolder(tmp_path, per_class=4, val_per_class=2)
+    spoil(tmp_path / "train" / "class_2")
+    spoil(tmp_path / "val" / "class_0")
+    (tmp_path / "train" / "class_1" / "0000.jpg").write_bytes(b"")  # an empty file
+    loaders = make_loaders(cfg_for("imagefolder", tmp_path, batch_size=4, skip_bad=True), 0, 1, cuda=False)
+    batches = every_batch(loaders)
+    assert loaders.skipped() == 5
+    assert sum(len(labels) for _, labels in batches) == 16 + 8 - 5
+    assert all((labels >= 0).all() for _, labels in batches)
+    loaders.set_epoch(2)
+    assert loaders.skipped() == 0  # counted per epoch
+
+
+def test_a_training_batch_of_only_bad_samples_fails_rather_than_desync_ranks():
+    skips = SkipCount()
+    bad = [(torch.zeros(2, 3, 4, 4), torch.tensor([UNREADABLE] * 2))]
+    with pytest.raises(RuntimeError, match="all 2 samples of a training batch were unreadable"):
+        list(Batches(bad, skips, train=True))
+    assert list(Batches(bad, skips, train=False)) == []  # val: no collective per batch, just skip
+
+
+def test_parquet_via_the_torch_path(tmp_path):
+    write_imagefolder(tmp_path / "src", per_class=6, val_per_class=2)
+    jpeg, _ = spoil(tmp_path / "src" / "train" / "class_3")
+    convert(tmp_path / "src", tmp_path / "pq", "imagefolder", skip_bad=True, progress=False)
+    cfg = cfg_for("parquet", tmp_path / "pq", batch_size=8)
+    validate(cfg)
+    loaders = make_loaders(cfg, 0, 1, cuda=False)
+    batches = every_batch(loaders)
+    assert sum(len(labels) for _, labels in batches) == 22 + 8
+    assert batches[0][0].shape[1:] == (3, 24, 24)
+
+
+# --- end to end: `raytrain run` with 2 workers on each format ---
+
+@pytest.mark.e2e
+def test_e2e_mnist_idx_files(tmp_path, ray_head):
+    write_mnist(tmp_path / "data", n_train=256, n_val=64)
+    summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "mnist",
+                             "--data-dir", str(tmp_path / "data"), "--num-classes", "10", "--image-size", "28")
+    assert_learned(summary, rows)
+
+
+@pytest.mark.e2e
+def test_e2e_cifar10_pickles(tmp_path, ray_head):
+    write_cifar10(tmp_path / "data", n_train=256, n_val=64)
+    summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "cifar10",
+                             "--data-dir", str(tmp_path / "data"), "--num-classes", "10", "--image-size", "32")
+    assert_learned(summary, rows)
+
+
+@pytest.mark.e2e
+def test_e2e_tinyimagenet_tree_at_a_smaller_image_size(tmp_path, ray_head):
+    write_tinyimagenet(tmp_path / "data", per_class=64, val_per_class=16)
+    summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "tinyimagenet",
+                             "--data-dir", str(tmp_path / "data"), "--image-size", "32")
+    assert_learned(summary, rows)
+
+
+@pytest.mark.e2e
+def test_e2e_imagefolder_split_by_val_fraction_skipping_bad_files(tmp_path, ray_head):
+    write_imagefolder(tmp_path / "data", per_class=80, val_per_class=None)
+    spoil(tmp_path / "data" / "train" / "class_1")
+    summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "imagefolder",
+                             "--data-dir", str(tmp_path / "data"), "--val-fraction", "0.2", "--skip-bad")
+    assert_learned(summary, rows)
+    assert [int(row["skipped_samples"]) for row in rows] == [2, 2]  # both spoiled files, every epoch
+
+
+@pytest.mark.e2e
+def test_e2e_a_corrupt_image_fails_the_run_naming_the_file(tmp_path, ray_head):
+    write_imagefolder(tmp_path / "data", per_class=8, val_per_class=2)
+    jpeg = tmp_path / "data" / "train" / "class_3" / "0004.jpg"
+    jpeg.write_bytes(jpeg.read_bytes()[:100])
+    result = raytrain("run", *TINY, "--address", ray_head.address, "--dataset", "imagefolder",
+                      "--data-dir", str(tmp_path / "data"), "--num-classes", "4", "--batch-size", "64",
+                      "--storage-path", str(tmp_path / "runs"), env=ray_head.env)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert str(jpeg) in last and "--skip-bad" in last, result.stderr[-3000:]
