@@ -1,8 +1,9 @@
 """Checkpoints through Ray Train: save the whole training state, and restore it on every rank.
 
 Every rank reports a directory and Ray merges them into one checkpoint: rank 0 writes the shared
-state (model, optimizer, schedule, scaler, position, metrics so far), each rank writes its own part
-(RNG states, and its running sums of the epoch so far). Ray registers a checkpoint only after it is fully persisted, so a half-written one is never
+state (model, optimizer, schedule, scaler, the global position in the epoch, the world's running
+totals, metrics and resizes so far), which any world size can resume; each rank writes its RNG
+states. Ray registers a checkpoint only after it is fully persisted, so a half-written one is never
 taken as the latest; a rerun with the same --storage-path/--name resumes from it.
 """
 
@@ -37,12 +38,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save(metrics: dict[str, Any], rank: int, shared: dict[str, Any], own: dict[str, Any]) -> None:
+def save(metrics: dict[str, Any], rank: int, shared: dict[str, Any]) -> None:
     """Report `metrics` with a checkpoint. Every rank must call this at the same point."""
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
         if rank == 0:
             torch.save(shared, Path(tmp) / STATE)
-        torch.save({**own, "rng": rng_states()}, Path(tmp) / rank_file(rank))
+        torch.save({"rng": rng_states()}, Path(tmp) / rank_file(rank))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 

@@ -62,9 +62,8 @@ def train_options(
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
         default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
         option = typer.Option(None, *flag_decls(f.name), help=docs[f.name] + default, show_default=False)
-        generated.append(
-            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kinds[0]])
-        )
+        kind = str if f.name == "workers" else kinds[0]  # N, or MIN:MAX (config.parse_workers)
+        generated.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
     config_file = inspect.Parameter(
         "config",
         inspect.Parameter.KEYWORD_ONLY,

@@ -12,6 +12,7 @@ import functools
 import inspect
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,13 @@ class ConfigError(ValueError):
 class TrainConfig:
     # --- scale: what Ray Train's ScalingConfig gets ---
     workers: int = 2
-    """Training workers (DDP ranks). One per GPU with --gpu."""
+    """Training workers (DDP ranks), one per GPU with --gpu. MIN:MAX makes the run elastic: it starts
+    with as many as fit (at least MIN), goes on with fewer when a worker or node is lost, and grows
+    back toward MAX when the cluster has room; each resize resumes from the latest checkpoint."""
+    max_workers: int | None = None
+    """The most workers of an elastic run (--workers MIN:MAX sets it); unset, the size is fixed."""
+    resize_check_s: float = 30.0
+    """Elastic runs: seconds between looks for room to grow."""
     gpu: bool = False
     """Train on GPUs with NCCL (--gpu) or on CPUs with gloo (--cpu)."""
     cpus_per_worker: int | None = None
@@ -183,15 +190,21 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs {self.warmup_epochs} is longer than --epochs {self.epochs}; shorten it")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing})")
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ConfigError(f"--workers {self.workers}:{self.max_workers} has MAX below MIN; swap them")
+        if self.resize_check_s <= 0:
+            raise ConfigError(f"--resize-check-s must be positive (got {self.resize_check_s})")
         if self.global_batch_size is not None:
             if self.grad_accum != 1:
                 raise ConfigError("give --global-batch-size or --grad-accum, not both (the first sets the second)")
-            per_step = self.batch_size * self.workers
-            if self.global_batch_size % per_step:
-                raise ConfigError(
-                    f"--global-batch-size {self.global_batch_size} is not a multiple of --batch-size x --workers "
-                    f"= {per_step}; pick a multiple, e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
-                )
+            for world_size in range(self.workers, (self.max_workers or self.workers) + 1):
+                per_step = self.batch_size * world_size
+                if self.global_batch_size % per_step:
+                    workers = f"--workers {world_size}" if self.max_workers is None else f"{world_size} workers (within --workers MIN:MAX)"
+                    raise ConfigError(
+                        f"--global-batch-size {self.global_batch_size} is not a multiple of --batch-size x {workers} "
+                        f"= {per_step}; pick a multiple, e.g. {per_step * max(1, round(self.global_batch_size / per_step))}"
+                    )
         for key, choices in (
             ("optimizer", OPTIMIZERS),
             ("scheduler", SCHEDULERS),
@@ -209,12 +222,16 @@ class TrainConfig:
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"--name must be a plain directory name (got {self.name!r})")
 
-    @property
-    def accum_steps(self) -> int:
-        """Micro-batches per optimizer step: --grad-accum, or what --global-batch-size implies."""
+    def accum_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step at this world size: --grad-accum, or what
+        --global-batch-size implies (so a resized run keeps its global batch)."""
         if self.global_batch_size is None:
             return self.grad_accum
-        return self.global_batch_size // (self.batch_size * self.workers)
+        return self.global_batch_size // (self.batch_size * world_size)
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_workers is not None
 
     @property
     def resolved_backend(self) -> str:
@@ -322,7 +339,18 @@ def resolve(file: str | Path | None, flags: dict[str, Any]) -> TrainConfig:
     """Defaults, then the config file, then the flags the user actually gave (not None)."""
     values = load_file(file) if file else {}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if isinstance(values.get("workers"), str):  # --workers N or MIN:MAX, from the CLI or a file
+        values.update(parse_workers(values["workers"]))
     return TrainConfig.from_dict(values)
+
+
+def parse_workers(text: str) -> dict[str, int]:
+    """"4" -> workers 4; "2:8" -> workers 2, max_workers 8 (an elastic run)."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if match is None:
+        raise ConfigError(f"--workers takes N or MIN:MAX, e.g. 4 or 2:8 (got {text!r})")
+    low, high = match.groups()
+    return {"workers": int(low)} | ({"max_workers": int(high)} if high else {})
 
 
 def dumps(cfg: TrainConfig) -> str:

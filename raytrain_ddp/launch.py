@@ -52,22 +52,30 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpu:
         resources["GPU"] = 1
+    elastic = {"elastic_resize_monitor_interval_s": cfg.resize_check_s} if cfg.elastic else {}
     scaling = ScalingConfig(
-        num_workers=cfg.workers,
+        num_workers=(cfg.workers, cfg.max_workers) if cfg.elastic else cfg.workers,
         use_gpu=cfg.gpu,
         resources_per_worker=resources,
         placement_strategy=cfg.placement.upper(),
+        **elastic,
     )
+    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
+    # Node drains (preemption) have their own budget, without limit, and never use these up.
+    max_failures = cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
     run = RunConfig(
         name=cfg.name,
         storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        failure_config=FailureConfig(max_failures=cfg.max_failures),
+        failure_config=FailureConfig(max_failures=max_failures),
         worker_runtime_env=worker_env(),
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, TorchConfig(backend=cfg.resolved_backend)
 
+
+ELASTIC_RETRIES = 3
+"""Lost workers an elastic run recovers from when --max-failures is left at 0."""
 
 PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
 """Env-var prefixes the driver hands to every worker: Ray workers inherit the raylet's environment,
@@ -196,7 +204,7 @@ def choose_layout(cfg: TrainConfig, node_cpus: list[int]) -> TrainConfig:
     are its threads, so a node left idle is throughput lost. With --gpu the GPU is the unit and
     packing keeps NCCL on NVLink; --loader ray leaves CPUs to Ray Data's decode tasks."""
     share = not cfg.gpu and cfg.loader != "ray" and cfg.cpus_per_worker is None
-    cpus = cfg.cpus_per_worker or (cpu_share(cfg.workers, node_cpus) if share else 1)
+    cpus = cfg.cpus_per_worker or (cpu_share(cfg.max_workers or cfg.workers, node_cpus) if share else 1)
     return dataclasses.replace(cfg, cpus_per_worker=cpus, placement=cfg.placement or ("spread" if share else "pack"))
 
 
@@ -253,7 +261,7 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     if chosen != cfg:
         node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
         print(
-            f"layout: {cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
+            f"layout: {cfg.max_workers or cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
             f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
             f"{'+'.join(map(str, node_cpus))} CPUs; --cpus-per-worker and --placement override",
             file=sys.stderr,
@@ -366,11 +374,13 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
         datasets=ray_datasets(cfg),
     )
     display = Display(cfg.progress, cfg.epochs)
-    display.print(f"run {cfg.name}: {cfg.workers} {cfg.resolved_backend} workers -> {run_dir}")
-    if cfg.accum_steps > 1:
+    size = f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
+    display.print(f"run {cfg.name}: {size} {cfg.resolved_backend} workers -> {run_dir}")
+    if cfg.accum_steps(cfg.workers) > 1:
+        accum = cfg.accum_steps(cfg.workers)
         display.print(
-            f"global batch {cfg.batch_size * cfg.workers * cfg.accum_steps} = --batch-size {cfg.batch_size} x "
-            f"{cfg.workers} workers x {cfg.accum_steps} accumulated micro-batches per optimizer step"
+            f"global batch {cfg.batch_size * cfg.workers * accum} = --batch-size {cfg.batch_size} x "
+            f"{cfg.workers} workers x {accum} accumulated micro-batches per optimizer step"
         )
     trackers = tracking.start(cfg, run_dir)
     watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers)
@@ -409,10 +419,23 @@ def finish_run(cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list
         "node_ips": [r["ip"] for r in info["ranks"]],
         "wall_time_s": round(time.time() - started, 3),
         "first_step_unix": info.get("first_step_unix"),
+        "resizes": [{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
         "config": cfg.to_dict(),
     }
     write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def resize_reason(event: dict[str, Any]) -> str:
+    return "a worker or its node was lost" if event["to"] < event["from"] else "the cluster had room for more workers"
+
+
+def describe_resize(event: dict[str, Any]) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(event["at"]))
+    return (
+        f"{event['from']} -> {event['to']} workers at {when}, epoch {event['epoch']} after {event['position']} "
+        f"samples ({resize_reason(event)}); the epoch goes on from there, re-sharded"
+    )
 
 
 class Stopped(Exception):
@@ -470,8 +493,14 @@ class Watcher(threading.Thread):
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
             # Which pid on which host is which rank: for the user (and for tests that kill one).
             write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
-        if info.get("resumed_at") and not self.info.get("resumed_at"):
-            self.display.print(f"resumed from the checkpoint at epoch {info['resumed_at'][0]} step {info['resumed_at'][1]}")
+        if info.get("resumed_at") and info.get("resumed_at") != self.info.get("resumed_at"):
+            epoch, position, at_step = info["resumed_at"]
+            self.display.print(f"resumed from the checkpoint at epoch {epoch} step {at_step} (after {position} of its samples)")
+        if info.get("drain_saved") and info.get("drain_saved") != self.info.get("drain_saved"):
+            epoch, position = info["drain_saved"]
+            self.display.print(f"Ray is draining a node of this run: checkpointed at epoch {epoch} after {position} samples")
+        for event in info.get("resizes", [])[len(self.info.get("resizes", [])) :]:
+            self.display.print(f"resized: {describe_resize(event)}")
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
 

@@ -29,6 +29,7 @@ from raytrain_ddp import checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
+from raytrain_ddp.data.torch_ingest import trained_position
 from raytrain_ddp.models import MODELS, model_builder
 
 PROGRESS_EVERY_S = 1.0
@@ -68,10 +69,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         # In place, before DDP: the state dict keeps its keys, and Dynamo never traces DDP's own
         # forward (its buffer broadcast breaks the graph, and the step would silently run eager).
         model.compile()
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg))
+    accum = cfg.accum_steps(world_size)  # --global-batch-size holds at every world size
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg, accum))
     optimizer = make_optimizer(cfg, model)
-    accum, micro_steps = cfg.accum_steps, loaders.steps_per_epoch
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=math.ceil(micro_steps / accum))
+    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=math.ceil(loaders.steps_per_epoch / accum))
     amp_dtype = None
     if cuda and cfg.amp:
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -79,11 +80,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     torch.manual_seed(cfg.seed + rank)  # from here on each rank draws its own augmentation
 
-    # [4] Resume from the latest checkpoint: a restarted worker group, or a rerun of the same --name.
+    # [4] Resume from the latest checkpoint: a restarted worker group (of any size), or a rerun of
+    # the same --name. Positions are global, so the samples already trained are never trained again.
     resume = restore(cfg, rank, world_size, device, model, optimizer, scheduler, scaler)
-    rows = resume.rows
+    rows, resizes = resume.rows, resume.resizes
 
-    def save(epoch: int, step: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
+    def save(epoch: int, position: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
+        """Every rank, at the same step: the world's state at global `position` of `epoch`."""
+        world_sums = sums.clone()
+        if dist.is_initialized():
+            dist.all_reduce(world_sums)  # any world size can resume the epoch's running totals
         shared = {}
         if rank == 0:
             shared = {
@@ -92,11 +98,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(),
                 "epoch": epoch,  # the epoch to continue with ...
-                "step": step,  # ... after this many of its batches
+                "position": position,  # ... after this many of its samples, in its global order
+                "sums": world_sums.cpu(),
+                "train_time": train_time,
                 "world_size": world_size,
+                "resizes": resizes,
                 "rows": rows,
             }
-        checkpoint.save(metrics, rank, shared, {"sums": sums.cpu(), "train_time": train_time})
+        checkpoint.save(metrics, rank, shared)
 
     if rank == 0:
         sink.start.remote(
@@ -104,25 +113,34 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             backend=dist.get_backend() if dist.is_initialized() else "none",
             ranks=ranks,
             steps_per_epoch=loaders.steps_per_epoch,
-            resumed_at=[resume.epoch, resume.step] if resume.resumed else None,
+            # epoch, global position, and the same position as this world's step count
+            resumed_at=[resume.epoch, resume.position, resume.position // (world_size * cfg.batch_size)]
+            if resume.resumed
+            else None,
+            resizes=resizes,
         )
         for row in rows:
             sink.epoch.remote(row)
 
     # [5] Epochs.
+    drain_saved = False  # a node drain announced by Ray was answered with a checkpoint
     for epoch in range(resume.epoch, cfg.epochs + 1):
-        skip = resume.step if epoch == resume.epoch else 0
-        loaders.set_epoch(epoch, skip)  # this epoch's shuffle, the same on every rank, minus done batches
+        start = resume.position if epoch == resume.epoch else 0
+        # This epoch's order, the same on every rank, minus the samples already trained.
+        micro_steps = loaders.set_epoch(epoch, start)
+        done = start // (world_size * cfg.batch_size)  # batches per rank before this pass, for the display
         model.train()
-        # (loss x n, correct, n) accumulate on the device: no host sync per step.
-        sums = resume.sums if skip else torch.zeros(3, dtype=torch.float64, device=device)
-        train_time, data_wait = (resume.train_time if skip else 0.0), 0.0
+        # (loss x n, correct, n) accumulate on the device: no host sync per step. A resumed epoch
+        # starts from the world's totals so far, on rank 0.
+        resumed_sums = resume.sums if start else torch.zeros(3, dtype=torch.float64, device=device)
+        sums = resumed_sums.clone()
+        train_time, data_wait = (resume.train_time if start else 0.0), 0.0
         bad_step = torch.zeros((), dtype=torch.float64, device=device)
-        tick = step_end = time.perf_counter()
+        tick = step_end = pass_start = time.perf_counter()
         last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
-        # `step` counts micro-batches; checkpoints and stops fall only where an optimizer step ends,
-        # so a resume never meets half-accumulated gradients.
-        for step, (inputs, labels) in enumerate(loaders.train, start=skip + 1):
+        # `step` counts this pass's micro-batches; checkpoints and stops fall only where an optimizer
+        # step ends, so a resume never meets half-accumulated gradients.
+        for step, (inputs, labels) in enumerate(loaders.train, start=1):
             data_wait += time.perf_counter() - step_end
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
@@ -141,37 +159,43 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             n = torch.tensor(len(labels), device=device)
             sums += torch.stack([loss * n, (logits.argmax(1) == labels).sum(), n]).double()
             first_bad = (bad_step == 0) & ~torch.isfinite(loss)
-            bad_step = torch.where(first_bad, torch.tensor(float(step), device=device), bad_step)
+            bad_step = torch.where(first_bad, torch.tensor(float(done + step), device=device), bad_step)
 
             if rank == 0 and time.perf_counter() - last_update >= PROGRESS_EVERY_S:
                 last_update = time.perf_counter()
-                rate = (sums[2].item() - (resume.sums[2].item() if skip else 0)) * world_size
+                rate = (sums[2].item() - resumed_sums[2].item()) * world_size
                 sink.step.remote(
-                    epoch=epoch, step=step, loss=loss.item(), at=time.time(),
-                    samples_per_s=rate / max(last_update - tick, 1e-9),
+                    epoch=epoch, step=done + step, loss=loss.item(), at=time.time(),
+                    samples_per_s=rate / max(last_update - pass_start, 1e-9),
                 )
             opt_step = math.ceil(step / accum)
             due = last and cfg.checkpoint_every_steps > 0 and opt_step % cfg.checkpoint_every_steps == 0
             if last and (opt_step % CONTROL_EVERY == 0 or due):
-                stop = agree_to_stop(rank, sink, bad_step, epoch)
-                if due or stop:
+                stop, draining = agree_to_stop(rank, sink, bad_step, epoch)
+                drain_news = draining and not drain_saved  # checkpoint once per drain, then train on
+                drain_saved = drain_saved or draining
+                if due or stop or drain_news:
                     train_time += time.perf_counter() - tick
-                    save(epoch, step, sums, train_time, {"epoch": epoch, "step": step})
+                    position = trained_position(start, world_size, cfg.batch_size, step, loaders.train_size)
+                    save(epoch, position, sums, train_time, {"epoch": epoch, "position": position})
                     tick = time.perf_counter()
+                    if drain_news and rank == 0:
+                        sink.drain_saved.remote(epoch=epoch, position=position)
                 if stop:
                     if rank == 0:
-                        sink.stopped.remote(epoch=epoch, step=step)
+                        sink.stopped.remote(epoch=epoch, step=done + step)
                     return
             step_end = time.perf_counter()
         train_time += time.perf_counter() - tick
-        stop = agree_to_stop(rank, sink, bad_step, epoch)
+        stop, _ = agree_to_stop(rank, sink, bad_step, epoch)
         train = all_reduce_means(sums)
         val = evaluate(model, loaders.val, device, amp_dtype)
         resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device)
-        rows.append(epoch_row(epoch, train, val, optimizer.param_groups[0]["lr"], train_time, world_size, resources))
+        lr = optimizer.param_groups[0]["lr"]
+        rows.append(epoch_row(epoch, train, val, lr, train_time, world_size, len(resizes), resources))
         if rank == 0:
             sink.epoch.remote(rows[-1])
-        save(epoch + 1, 0, sums, 0.0, rows[-1])
+        save(epoch + 1, 0, torch.zeros_like(sums), 0.0, rows[-1])
         if stop and epoch < cfg.epochs:
             if rank == 0:
                 sink.stopped.remote(epoch=epoch + 1, step=0)
@@ -179,21 +203,24 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
 
 class Resume(NamedTuple):
-    """Where training continues: epoch and micro-batch, the rows so far, and this rank's sums and time."""
+    """Where training continues: the epoch and global position in it, the rows and resizes so far,
+    and the world's running totals (on rank 0) and train time for that epoch."""
 
     epoch: int
-    step: int
+    position: int
     rows: list[dict[str, Any]]
-    sums: torch.Tensor | None
+    resizes: list[dict[str, Any]]
+    sums: torch.Tensor
     train_time: float
     resumed: bool
 
 
 def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, model, optimizer, scheduler, scaler) -> Resume:
     """Load the latest checkpoint, if any, into the model, optimizer, schedule and scaler."""
+    zeros = torch.zeros(3, dtype=torch.float64, device=device)
     restored = checkpoint.load(rank)
     if restored is None:
-        return Resume(1, 0, [], None, 0.0, resumed=False)
+        return Resume(1, 0, [], [], zeros, 0.0, resumed=False)
     state, own = restored
     try:
         getattr(model, "module", model).load_state_dict(state["model"])
@@ -205,17 +232,21 @@ def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, 
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
-    step = state["step"] if state["world_size"] == world_size else 0  # another world size shards the epoch differently: redo it
-    sums, train_time = None, 0.0
-    if own is not None:
+    if own is not None:  # a rank that did not exist before (the world grew) starts from its fresh seed
         checkpoint.set_rng_states(own["rng"])
-        sums, train_time = own["sums"].to(device), own["train_time"]
-    return Resume(state["epoch"], step, state["rows"], sums, train_time, resumed=True)
+    resizes = list(state["resizes"])
+    if state["world_size"] != world_size:
+        resizes.append({
+            "epoch": state["epoch"], "position": state["position"], "from": state["world_size"], "to": world_size,
+            "at": time.time(),
+        })
+    sums = state["sums"].to(device) if rank == 0 else zeros  # the world's totals, counted once
+    return Resume(state["epoch"], state["position"], state["rows"], resizes, sums, state["train_time"], resumed=True)
 
 
 def epoch_row(
     epoch: int, train: tuple[float, float, float], val: tuple[float, float, float], lr: float, train_time: float,
-    world_size: int, resources: tuple,
+    world_size: int, resizes: int, resources: tuple,
 ) -> dict[str, Any]:
     """One row of metrics.csv: all-reduced (loss, accuracy, count) of train and val, and the epoch's costs."""
     (train_loss, train_acc, train_n), (val_loss, val_acc, _) = train, val
@@ -230,12 +261,13 @@ def epoch_row(
         "epoch_time_s": train_time,
         "throughput": train_n / train_time,
         "samples": int(train_n),
-        "world_size": world_size,
+        "world_size": world_size,  # at the epoch's end
         "backend": dist.get_backend() if dist.is_initialized() else "none",
         "gpu_mem_peak_mib": gpu_mib,
         "cpu_rss_mib": rss_mib,
         "data_wait_frac": wait_frac,
         "skipped_samples": skipped,
+        "resizes": resizes,  # world-size changes in the run so far
     }
 
 
@@ -268,22 +300,25 @@ def apply_gradients(
     scheduler.step()
 
 
-def ddp_options(cfg: TrainConfig) -> dict[str, Any]:
+def ddp_options(cfg: TrainConfig, accum: int) -> dict[str, Any]:
     """Gradients live in DDP's all-reduce buckets (no copy). Our own models use every parameter on
     every step, so their graph is static and DDP may skip its per-step search for unused ones; a
     user's model may skip a layer on some steps, so it gets DDP's safe defaults, or the search."""
     options: dict[str, Any] = {"gradient_as_bucket_view": True}
     if cfg.find_unused_parameters:
         options["find_unused_parameters"] = True
-    elif cfg.model in MODELS and cfg.accum_steps == 1:
+    elif cfg.model in MODELS and accum == 1:
         # static_graph with no_sync() fails its first backward, or silently stops all-reducing
         # gradients (pytorch/pytorch#187732): accumulation gets the default reducer.
         options["static_graph"] = True
     return options
 
 
-def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> bool:
-    """All ranks learn, at the same step, whether the driver asked to stop; a NaN loss raises."""
+def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> tuple[bool, bool]:
+    """All ranks learn, at the same step, whether the driver asked to stop, and whether Ray says a
+    node of theirs is being drained (checkpoint now, train on); a NaN loss raises."""
+    # A barrier over the ranks, like the all-reduce below: every rank calls it at the same step.
+    preempted = ray.train.get_preemption_info() is not None
     asked = rank == 0 and ray.get(sink.stop_requested.remote())
     flags = torch.stack([torch.tensor(float(asked), device=bad_step.device), bad_step.double()])
     if dist.is_initialized():
@@ -293,7 +328,7 @@ def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> b
             f"loss became NaN or inf at epoch {epoch} step {int(flags[1])}; nothing was saved after "
             "it, the last good checkpoint is kept: lower --lr, or try --no-amp"
         )
-    return bool(flags[0])
+    return bool(flags[0]), preempted
 
 
 def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device) -> tuple:

@@ -31,6 +31,7 @@ CSV_COLUMNS = [
     "cpu_rss_mib",
     "data_wait_frac",
     "skipped_samples",
+    "resizes",
 ]
 
 
@@ -65,6 +66,10 @@ class MetricsSink:
 
     def stop_requested(self) -> bool:
         return self.stop_asked
+
+    def drain_saved(self, epoch: int, position: int) -> None:
+        """Ray announced a node drain (a preemption); the ranks checkpointed and train on."""
+        self.run["drain_saved"] = [epoch, position]
 
     def stopped(self, epoch: int, step: int) -> None:
         self.run["stopped_at"] = [epoch, step]

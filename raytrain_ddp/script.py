@@ -103,6 +103,11 @@ def parse_ranks(text: str, world_size: int) -> set[int]:
 
 def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = False) -> int:
     """Run the target on cfg.workers ranks; return the exit status (0, the script's, or 75)."""
+    if cfg.elastic:
+        raise ConfigError(
+            f"raytrain launch runs a fixed number of ranks (a torchrun script keeps its own WORLD_SIZE); "
+            f"give --workers {cfg.workers}, or use raytrain run for --workers MIN:MAX"
+        )
     shown = parse_ranks(show_ranks, cfg.workers)
     cfg, run_dir = resolve_run(cfg)
     if dry_run:

@@ -37,13 +37,16 @@ def test_every_field_has_a_docstring():
         ({"name": "a/b"}, "--name must be a plain directory name"),
         ({"val_fraction": 1.5}, "--val-fraction must be between 0 and 1"),
         ({"grad_accum": 0}, "--grad-accum must be at least 1"),
-        ({"global_batch_size": 100}, "--global-batch-size 100 is not a multiple of --batch-size x --workers = 128; pick a multiple, e.g. 128"),
+        ({"global_batch_size": 100}, "--global-batch-size 100 is not a multiple of --batch-size x --workers 2 = 128; pick a multiple, e.g. 128"),
         ({"global_batch_size": 256, "grad_accum": 2}, "give --global-batch-size or --grad-accum, not both"),
         ({"clip_grad_norm": -1}, "--clip-grad-norm must be 0 or more"),
         ({"warmup_epochs": 4}, "--warmup-epochs 4.0 is longer than --epochs 3"),
         ({"label_smoothing": 1}, "--label-smoothing must be in"),
         ({"cpus_per_worker": 0}, "--cpus-per-worker must be at least 1"),
         ({"placement": "scatter"}, "--placement must be one of pack, spread"),
+        ({"workers": 3, "max_workers": 2}, "--workers 3:2 has MAX below MIN"),
+        ({"workers": 1, "max_workers": 3, "global_batch_size": 256},
+         "--global-batch-size 256 is not a multiple of --batch-size x 3 workers \\(within --workers MIN:MAX\\) = 192"),
     ],
 )
 def test_bad_values_name_the_flag(bad, fragment):
@@ -89,9 +92,19 @@ def test_bad_files(tmp_path):
         resolve(tmp_path / "types.yaml", {})
 
 
+def test_workers_min_max_makes_an_elastic_run(tmp_path):
+    assert (resolve(None, {"workers": "2:8"}).workers, resolve(None, {"workers": "2:8"}).max_workers) == (2, 8)
+    assert resolve(None, {"workers": "4"}).elastic is False
+    (tmp_path / "c.yaml").write_text("workers: '1:2'\n")
+    assert resolve(tmp_path / "c.yaml", {}).max_workers == 2
+    with pytest.raises(ConfigError, match="--workers takes N or MIN:MAX"):
+        resolve(None, {"workers": "two"})
+
+
 def test_global_batch_size_sets_the_accumulation():
-    assert TrainConfig(batch_size=32, workers=2, global_batch_size=256).accum_steps == 4
-    assert TrainConfig(grad_accum=3).accum_steps == 3 and TrainConfig().accum_steps == 1
+    cfg = TrainConfig(batch_size=32, workers=2, global_batch_size=256)
+    assert cfg.accum_steps(2) == 4 and cfg.accum_steps(1) == 8  # a resize keeps the global batch
+    assert TrainConfig(grad_accum=3).accum_steps(2) == 3 and TrainConfig().accum_steps(4) == 1
 
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -62,7 +62,7 @@ def ddp_rank(rank: int, port: int, results, static: TrainConfig) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    model = DistributedDataParallel(mlp(), **ddp_options(static))
+    model = DistributedDataParallel(mlp(), **ddp_options(static, accum=4))
     shard = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(3, 64)]
     train(model, CFG, shard, micro=4)
     if rank == 0:
@@ -79,7 +79,7 @@ def test_accumulation_across_ddp_ranks_matches_one_big_batch():
     results = ctx.Queue()
     port = free_port()
     # The DDP options the loop gives a built-in model that accumulates (static_graph would break it).
-    static = TrainConfig(model="convnet", grad_accum=4)
+    static = TrainConfig(model="convnet")
     procs = [ctx.Process(target=ddp_rank, args=(r, port, results, static)) for r in range(2)]
     for p in procs:
         p.start()

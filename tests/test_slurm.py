@@ -643,3 +643,65 @@ def test_early_usr1_waits_for_the_handler_and_no_requeue_is_respected(lab: Lab) 
     assert "this job may not be requeued" in job.log, job.log
     assert lab.field(job_id, "Restarts") == "0", job.log
     assert_cleaned_up(lab, job_id)
+
+
+# ---- elastic: a node lost mid-run -----------------------------------------------------------------
+
+ELASTIC_RUN = ("raytrain", "run", "--workers", "1:2", "--resize-check-s", "5", "--epochs", "3",
+               "--train-samples", "2048", "--val-samples", "128", "--batch-size", "32",
+               "--checkpoint-every-steps", "4", "--data-workers", "0", "--progress", "plain")
+
+
+def kill_node_ray(job_id: str, node: str) -> list[int]:
+    """SIGKILL every process of this job's Ray on `node`, as a crash or the OOM killer would."""
+    netns = os.stat(f"/run/netns/sl-{node}").st_ino
+    tag = f"RAYTRAIN_RAY_NODE=/tmp/rt-{job_id}".encode()
+    killed = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.stat(proc / "ns" / "net").st_ino != netns:
+                continue
+            if tag in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue  # exited meanwhile
+    return killed
+
+
+def test_elastic_run_loses_a_node_and_finishes_on_the_other(lab: Lab) -> None:
+    run_dir = lab.work / "runs" / "elastic"
+    job_id = lab.submit(*ELASTIC_RUN, "--storage-path", str(lab.work / "runs"), "--name", "elastic",
+                        sbatch_flags=("--nodes=2",))
+    # Well into epoch 2 at 2 workers: checkpoints every 4 steps, so the latest is mid-epoch.
+    in_epoch_2 = lambda: any(int(m) >= 10 for m in re.findall(r"epoch 2/3 step (\d+)/", lab.log(job_id)))
+    lab.wait_until(job_id, "epoch 2 at step 10", in_epoch_2, timeout=300)
+    assert kill_node_ray(job_id, "n2"), lab.log(job_id)
+    job = lab.wait(job_id, timeout=480)
+
+    assert job.state == "COMPLETED", job.log
+    assert "Ray on n2 died; the elastic run goes on without it" in job.log, job.log
+    rows = list(csv.DictReader(open(run_dir / "metrics.csv", newline="")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3], job.log
+    assert rows[0]["world_size"] == "2" and rows[-1]["world_size"] == "1", rows
+    summary = json.loads((run_dir / "summary.json").read_text())
+    [resize] = summary["resizes"]
+    assert (resize["from"], resize["to"], resize["epoch"]) == (2, 1, 2) and "lost" in resize["why"], resize
+    assert resize["position"] > 0, resize  # resumed mid-epoch, from a global position
+    # The interrupted epoch trained each of its 2048 samples once: the samples before the resize
+    # (2 ranks) and the rest (1 rank) add up to the set, not the set plus a redone part.
+    assert int(rows[1]["samples"]) == 2048, rows[1]
+    assert "resized: 2 -> 1 workers" in job.log, job.log
+    assert summary["nodes"] == ["n1"], summary
+    assert_cleaned_up(lab, job_id)
+
+
+def test_fixed_size_run_that_loses_a_node_ends_the_job(lab: Lab) -> None:
+    job_id = lab.submit(*PREEMPT_RUN, "--max-failures", "2", "--storage-path", str(lab.work / "runs"),
+                        "--name", "fixed-lost", sbatch_flags=("--nodes=2",))
+    lab.wait_until(job_id, "training", lambda: "epoch 1/3 step" in lab.log(job_id), timeout=300)
+    assert kill_node_ray(job_id, "n2"), lab.log(job_id)
+    job = lab.wait(job_id, timeout=240)
+    assert job.state != "COMPLETED", job.log
+    assert "Ray on n2 died under a fixed-size run; stopping the command" in job.log, job.log
+    assert_cleaned_up(lab, job_id)

@@ -15,10 +15,14 @@ class Loaders(NamedTuple):
 
     train: Iterable
     val: Iterable
-    set_epoch: Callable[..., None]
-    """set_epoch(epoch, skip=0), before each epoch: reshuffles the training shards, the same way on
-    every rank, and starts the epoch after its first `skip` batches (resuming mid-epoch)."""
+    set_epoch: Callable[[int, int], int]
+    """set_epoch(epoch, start=0), before each epoch: this epoch's order, the same on every rank, from
+    global position `start` (the samples the world already trained this epoch, at whatever world
+    size); returns how many batches this rank takes."""
     steps_per_epoch: int
+    """A whole epoch's batches per rank at this world size."""
+    train_size: int
+    """Training samples in an epoch: the end of its global positions."""
     in_channels: int
     skipped: Callable[[], int]
     """Unreadable samples this rank dropped so far this epoch (train + val; only with --skip-bad)."""

@@ -73,14 +73,19 @@ def ray_loaders(cfg: TrainConfig, world_size: int) -> Loaders:
     buffer = SHUFFLE_BUFFER_BATCHES * cfg.batch_size
     train = RayShard(ray.train.get_dataset_shard("train"), cfg.batch_size, buffer, normalize)
     val = RayShard(ray.train.get_dataset_shard("val"), cfg.batch_size, None, normalize)
-    steps = math.ceil(ray_rows(cfg, manifest, "train") // world_size / cfg.batch_size)
+    rows = ray_rows(cfg, manifest, "train")
+    steps = math.ceil(rows // world_size / cfg.batch_size)
 
-    def set_epoch(epoch: int, skip: int = 0) -> None:
-        train.limit = steps - skip if skip else None  # Ray Data reshuffles the file order by itself
+    def set_epoch(epoch: int, start: int = 0) -> int:
+        # Ray Data's order is not reproducible: a resumed epoch takes as many rows as were left,
+        # not the same rows. It reshuffles the file order every epoch by itself.
+        left = math.ceil((rows - start) // world_size / cfg.batch_size) if start else steps
+        train.limit = left if start else None
         skips.count = 0
+        return left
 
     return Loaders(
-        Batches(train, skips, train=True), Batches(val, skips, train=False), set_epoch, steps,
+        Batches(train, skips, train=True), Batches(val, skips, train=False), set_epoch, steps, rows,
         int(manifest["channels"]), lambda: skips.count,
     )
 

@@ -2,32 +2,54 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Callable, Iterator
 
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, Subset
+import torch
+from torch.utils.data import DataLoader, Sampler, Subset
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.batches import Batches, Loaders, SkipCount
 from raytrain_ddp.data.registry import Data, dataset_builder
 
 
+def epoch_shard(n: int, world_size: int, rank: int, seed: int, epoch: int, start: int = 0) -> list[int]:
+    """This rank's samples of an epoch, from global position `start` on.
+
+    The epoch's order is DistributedSampler's (a permutation drawn from seed + epoch), so it is the
+    same on every rank and at every world size. Rank r takes positions start + r, start + r + W, ...
+    so after k batches of b the world has trained exactly positions [start, start + W*k*b): a resume
+    at another world size starts there, and no sample is trained twice or skipped. As in
+    DistributedSampler, the rest is evened out by repeating its first samples.
+    """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()[start:]
+    if not order:
+        return []
+    pad = -len(order) % world_size
+    order += (order * math.ceil(pad / len(order)))[:pad]
+    return order[rank::world_size]
+
+
+def trained_position(start: int, world_size: int, batch_size: int, batches: int, n: int) -> int:
+    """The global position after every rank took `batches` more batches from `start`."""
+    return min(n, start + world_size * batch_size * batches)
+
+
 class EpochSampler(Sampler[int]):
-    """A DistributedSampler whose epoch can start after its first `skip` batches."""
+    """This rank's epoch_shard, set before each epoch."""
 
-    def __init__(self, sampler: DistributedSampler, batch_size: int):
-        self.sampler, self.batch_size, self.start = sampler, batch_size, 0
+    def __init__(self, n: int, world_size: int, rank: int, seed: int):
+        self.n, self.world_size, self.rank, self.seed = n, world_size, rank, seed
+        self.indices: list[int] = []
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.sampler.set_epoch(epoch)  # the order depends on (seed, epoch) only: a resumed epoch repeats it
-        self.start = skip * self.batch_size
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.indices = epoch_shard(self.n, self.world_size, self.rank, self.seed, epoch, start)
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.sampler), self.start, None)
+        return iter(self.indices)
 
     def __len__(self) -> int:
-        return max(len(self.sampler) - self.start, 0)
+        return len(self.indices)
 
 
 def torch_loaders(
@@ -35,13 +57,11 @@ def torch_loaders(
 ) -> Loaders:
     """This rank's train and val batches.
 
-    Training shards are disjoint and of equal length on every rank: DistributedSampler repeats the
-    first few samples of the shuffled order to even them out. Validation is split with no padding,
-    so each val sample counts exactly once in the all-reduced metrics.
+    Training shards are disjoint and of equal length on every rank (epoch_shard). Validation is
+    split with no padding, so each val sample counts exactly once in the all-reduced metrics.
     """
     data = (build or dataset_builder(cfg.dataset))(cfg)
-    shards = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed)
-    sampler = EpochSampler(shards, cfg.batch_size)
+    sampler = EpochSampler(len(data.train), world_size, rank, cfg.seed)
     common = dict(
         batch_size=cfg.batch_size,
         num_workers=cfg.data_workers,
@@ -52,15 +72,17 @@ def torch_loaders(
     val = DataLoader(Subset(data.val, range(rank, len(data.val), world_size)), shuffle=False, **common)
     skips = SkipCount()
 
-    def set_epoch(epoch: int, skip: int = 0) -> None:
-        sampler.set_epoch(epoch, skip)
+    def set_epoch(epoch: int, start: int = 0) -> int:
+        sampler.set_epoch(epoch, start)
         skips.count = 0
+        return math.ceil(len(sampler) / cfg.batch_size)
 
     return Loaders(
         Batches(train, skips, train=True),
         Batches(val, skips, train=False),
         set_epoch,
-        math.ceil(len(shards) / cfg.batch_size),
+        math.ceil(math.ceil(len(data.train) / world_size) / cfg.batch_size),
+        len(data.train),
         data.in_channels,
         lambda: skips.count,
     )

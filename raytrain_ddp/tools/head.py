@@ -107,6 +107,37 @@ def local_head(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
+    """A second Ray node on this machine that joins `head` (with its token), as a node of a real
+    cluster would; it leaves when the block ends."""
+    ports = [
+        f"--{flag}={free_port()}"
+        for flag in ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "runtime-env-agent-port")
+    ]
+    workers = random.randrange(30000, 40000, 100)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ray")), "start", "--block", f"--address={head.address}", *ports,
+            f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}", "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000", "--disable-usage-stats",
+        ],
+        env={k: v for k, v in head.env.items() if k != "RAY_ADDRESS"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

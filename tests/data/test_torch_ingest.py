@@ -22,6 +22,7 @@ from raytrain_ddp.data.batches import UNREADABLE, Batches, SkipCount
 from raytrain_ddp.data.convert import convert
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import validate
+from raytrain_ddp.data.torch_ingest import epoch_shard, trained_position
 
 # --- the torch ingest path: sharding ---
 
@@ -45,10 +46,41 @@ def test_torch_path_shards_are_disjoint_and_cover_the_epoch(tmp_path):
         if epoch == 1:
             first = orders
     assert first != orders  # reshuffled per epoch
-    loaders[0].set_epoch(2, 3)  # resuming after 3 batches: the same order, minus those
+    # Resuming after 3 batches on every rank, i.e. at global position 3 x 4 x 3: the same order, minus those.
+    assert loaders[0].set_epoch(2, 3 * cfg.batch_size * world) == 1  # one batch left
     assert list(loaders[0].train.source.sampler) == orders[0][3 * cfg.batch_size:]
     val = [list(loader.val.source.dataset.indices) for loader in loaders]
     assert sorted(i for v in val for i in v) == list(range(20))  # val: each sample exactly once
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3), (3, 2), (2, 2)])
+def test_a_resume_at_another_world_size_trains_each_remaining_sample_once(before, after):
+    """Sample by sample: the batches trained before the resize, then the rest re-sharded over the new world."""
+    n, batch, seed, epoch = 23, 2, 7, 3
+    shards = [epoch_shard(n, before, rank, seed, epoch) for rank in range(before)]
+    batches_done = 2
+    trained = [i for shard in shards for i in shard[: batches_done * batch]]
+    position = trained_position(0, before, batch, batches_done, n)
+    assert position == before * batch * batches_done and len(set(trained)) == position  # no repeats yet
+
+    rest = [epoch_shard(n, after, rank, seed, epoch, start=position) for rank in range(after)]
+    assert len({len(shard) for shard in rest}) == 1  # equal shards: every rank takes the same steps
+    again = [i for shard in rest for i in shard]
+    assert set(trained) | set(again) == set(range(n))  # every sample of the epoch
+    assert not set(trained) & set(again)  # nothing trained twice across the resize
+    assert len(again) - len(set(again)) == -(n - position) % after  # only the evening-out repeats
+    # The same world size continues exactly where each rank was, as DistributedSampler would (all but
+    # the last sample, which may be the evening-out repeat of another sample).
+    if before == after:
+        assert [(s[: batches_done * batch] + r)[:-1] for s, r in zip(shards, rest)] == [s[:-1] for s in shards]
+
+
+def test_the_epoch_order_is_distributed_samplers():
+    from torch.utils.data import DistributedSampler
+
+    reference = DistributedSampler(range(23), num_replicas=3, rank=1, shuffle=True, seed=7)
+    reference.set_epoch(4)
+    assert epoch_shard(23, 3, 1, seed=7, epoch=4) == list(reference)
 
 
 # --- bad samples, at the moment they are read ---

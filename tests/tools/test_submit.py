@@ -98,7 +98,7 @@ def test_launch_entrypoint_keeps_the_script_args_and_ships_its_directory():
     assert words[:4] == ["python", "-m", "raytrain_ddp", "launch"]
     assert words[-len(script_args):] == script_args  # after the script, all is the script's
     params = parse_launch(words[4:])
-    assert (params["workers"], params["storage_path"], params["name"]) == (2, "/mnt/shared/runs", cfg.name)
+    assert (params["workers"], params["storage_path"], params["name"]) == ("2", "/mnt/shared/runs", cfg.name)
     assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.name)
     assert params["script"] == "torchrun_train.py"  # the job's driver starts in its copy of working_dir
     assert list(params["args"]) == script_args
