@@ -269,6 +269,16 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
     return chosen
 
 
+def on_this_node() -> Any:
+    """Ray's placement for the driver's own actors (metrics sink, launch hub): the driver's node.
+    A 0-CPU actor may land on any node, and one on a worker node would die with it, taking an
+    elastic run that should have gone on with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def check_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +374,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     from raytrain_ddp.metrics import MetricsSink
 
     scaling, run_config, torch_config = trainer_configs(cfg)
-    sink = MetricsSink.remote()
+    sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
     trainer = TorchTrainer(
         train_entry,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": given, "code_paths": code_paths},

@@ -193,6 +193,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device)
         lr = optimizer.param_groups[0]["lr"]
         rows.append(epoch_row(epoch, train, val, lr, train_time, world_size, len(resizes), resources))
+        rows[-1]["global_batch"] = cfg.batch_size * world_size * accum  # for the epoch line; not a CSV column
         if rank == 0:
             sink.epoch.remote(rows[-1])
         save(epoch + 1, 0, torch.zeros_like(sums), 0.0, rows[-1])

@@ -17,6 +17,10 @@ def epoch_line(row: dict[str, Any], epochs: int) -> str:
         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.3f}  "
         f"{row['throughput']:.1f} samples/s  {row['epoch_time_s']:.1f} s"
         + (f"  skipped {row['skipped_samples']} unreadable" if row.get("skipped_samples") else "")
+        # After a resize the world, and without --global-batch-size the global batch, changed: say so.
+        + (f"  {row['world_size']} worker{'s' if row['world_size'] != 1 else ''}, global batch "
+           f"{row.get('global_batch')} (resized {row['resizes']}x)"
+           if row.get("resizes") else "")
     )
 
 

@@ -25,6 +25,7 @@ from raytrain_ddp.launch import (
     check_writable,
     choose_layout,
     connect,
+    on_this_node,
     preflight,
     resolve_run,
     ship_code,
@@ -132,7 +133,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     say(f"ranks run in {where} ({placement.describe()})")
     ship_code(cfg, placement.runtime_env())
     scaling, run_config, _ = trainer_configs(cfg)
-    hub = LaunchHub.remote(cfg.workers)
+    hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote(cfg.workers)
     trainer = DataParallelTrainer(
         run_script,
         train_loop_config={

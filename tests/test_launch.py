@@ -109,6 +109,7 @@ def test_an_elastic_run_grows_when_a_node_joins(tmp_path):
     [resize] = summary["resizes"]
     assert (resize["from"], resize["to"]) == (1, 2) and "room" in resize["why"], resize
     assert "resized: 1 -> 2 workers" in log and summary["world_size"] == 2
+    assert "2 workers, global batch 32 (resized 1x)" in log  # the epoch line says the global batch changed
 
 
 NOT_THE_HEAD = (

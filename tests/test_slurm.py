@@ -692,6 +692,7 @@ def test_elastic_run_loses_a_node_and_finishes_on_the_other(lab: Lab) -> None:
     # (2 ranks) and the rest (1 rank) add up to the set, not the set plus a redone part.
     assert int(rows[1]["samples"]) == 2048, rows[1]
     assert "resized: 2 -> 1 workers" in job.log, job.log
+    assert "1 worker, global batch 32 (resized 1x)" in job.log, job.log  # the epoch line says the batch changed
     assert summary["nodes"] == ["n1"], summary
     assert_cleaned_up(lab, job_id)
 

@@ -99,11 +99,7 @@ def local_head(
             wait_for_dashboard(url, proc, timeout_s=120)
         yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -131,11 +127,16 @@ def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
     try:
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a `ray start --block` and everything it started (its own process group), and only that."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float) -> None:
