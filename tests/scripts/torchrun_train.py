@@ -82,6 +82,9 @@ while epoch < args.epochs or (args.wait_for_sigterm and not stop):
     print(f"epoch {epoch} mean loss {total[0].item() / total[1].item():.4f}", flush=True)
     if rank == args.fail_rank:
         print(f"rank {rank} is failing on purpose", file=sys.stderr, flush=True)
+        # Leave the group first: exiting with gloo's threads still talking to rank 0 can abort the
+        # interpreter's teardown (SIGABRT, "terminate called without an active exception").
+        dist.destroy_process_group()
         raise SystemExit(args.exit_code)
     epoch += 1
     if args.wait_for_sigterm:
