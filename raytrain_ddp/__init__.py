@@ -23,6 +23,6 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     `PKG.MODULE:CALLABLE`, or the callable itself (see `raytrain run --help` for how each is called).
     Bad input raises ConfigError; a failed run raises Ray's error.
     """
-    from raytrain_ddp import launch
+    from raytrain_ddp import driver
 
-    return launch.run(cfg, model=model, dataset=dataset)
+    return driver.run(cfg, model=model, dataset=dataset)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from raytrain_ddp import launch
+from raytrain_ddp import driver
 from raytrain_ddp.config import (
     FIELD_TYPES,
     ConfigError,
@@ -26,8 +26,14 @@ from raytrain_ddp.config import (
     resolve,
 )
 from raytrain_ddp.data.convert import data_app
-from raytrain_ddp.errors import one_line
-from raytrain_ddp.script import LAUNCH_FIELDS
+from raytrain_ddp.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    one_line,
+)
+from raytrain_ddp.launch import LAUNCH_FIELDS
 from raytrain_ddp.tools import submit
 from raytrain_ddp.tools.bench_data import data_command
 
@@ -37,8 +43,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,  # main() turns errors into one line; --debug shows tracebacks
 )
-
-EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
 
 def train_options(
@@ -101,9 +105,9 @@ def run(
 ) -> None:
     """Train a model with DDP on Ray Train: a local Ray, $RAY_ADDRESS, or --address."""
     if dry_run:
-        launch.dry_run(cfg)
+        driver.dry_run(cfg)
         return
-    summary = launch.run(cfg)
+    summary = driver.run(cfg)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
@@ -143,8 +147,8 @@ def launch_command(
     Options go before the script; everything after it is the script's. Exit status: the first
     failing rank's, 75 when a signal stopped every rank cleanly, else 0.
     """
-    from raytrain_ddp.script import find_target
-    from raytrain_ddp.script import launch as run_script
+    from raytrain_ddp.launch import find_target
+    from raytrain_ddp.launch import launch as run_script
 
     raise typer.Exit(run_script(cfg, find_target(script, module, args or []), show_ranks, dry_run))
 
@@ -237,9 +241,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    except launch.Stopped as err:
+    except driver.Stopped as err:
         print(f"stopped: {err}", file=sys.stderr)
-        sys.exit(launch.EXIT_STOPPED)
+        sys.exit(EXIT_STOPPED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+EXIT_FAILED = 1
+"""Training failed, or a launched script failed without an exit status of its own."""
+EXIT_BAD_INPUT = 2
+"""A bad request, refused in one line before any worker starts."""
+EXIT_STOPPED = 75
+"""EX_TEMPFAIL: stopped by SIGTERM or SIGUSR1 after a checkpoint; the same command resumes (Slurm requeues)."""
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, as a shell reports Ctrl-C; also a Ray job stopped by `raytrain stop`."""
+
 OOM_MARKERS = ("OutOfMemoryError", "running low on memory")
 """How Ray's memory monitor says it killed a worker to save the node."""
 

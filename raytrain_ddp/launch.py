@@ -1,524 +1,277 @@
-"""The driver: connect to Ray, check the request fits, run TorchTrainer, write the run's files."""
+"""`raytrain launch`: the driver that runs an unmodified torchrun-style script on N Ray workers.
+
+It does what torchrun and the sbatch around it do by hand, with Ray placing the ranks: each worker
+runs the script with torchrun's environment (launch_agent.py), every rank's output comes back here marked
+with its rank, and the exit status is the script's. Scale is the same ScalingConfig as `raytrain
+run`; the ranks are Ray Train workers of a plain DataParallelTrainer, since the script makes its
+own process group (a TorchTrainer would make one more, and a CUDA context per rank for it).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
+import importlib.util
 import os
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, TextIO
 
-from raytrain_ddp.config import ConfigError, TrainConfig, dumps
-from raytrain_ddp.metrics import (
-    tensorboard_writer,
-    write_csv,
-    write_json,
-    write_parquet,
+from raytrain_ddp.cluster import (
+    check_writable,
+    choose_layout,
+    connect,
+    on_this_node,
+    preflight,
+    resolve_run,
+    trainer_configs,
 )
-from raytrain_ddp.progress import Display
+from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.errors import EXIT_STOPPED
+from raytrain_ddp.metrics import write_json
+from raytrain_ddp.shipping import ship_code
 
-POLL_S = 0.5
-"""How often the driver asks rank 0's metrics sink for news."""
-
-
-def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
-    """Fill in the run name and return the run directory, <storage-path>/<name>."""
-    if cfg.name is None:
-        cfg = dataclasses.replace(cfg, name=time.strftime("run-%Y%m%d-%H%M%S"))
-    storage = Path(cfg.storage_path).expanduser().absolute()
-    # Ray needs an absolute path: workers on other nodes do not share the driver's cwd.
-    cfg = dataclasses.replace(cfg, storage_path=str(storage))
-    return cfg, storage / cfg.name
+POLL_S = 0.2
+"""How often the driver fetches the ranks' output lines."""
+LAUNCH_FIELDS = (
+    "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
+    "max_failures", "wait_for_resources", "verbose",
+)
+"""The TrainConfig fields `raytrain launch` takes: where and how many, never what to train."""
 
 
-def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
-    from ray.train import (
-        CheckpointConfig,
-        FailureConfig,
-        LoggingConfig,
-        RunConfig,
-        ScalingConfig,
-    )
-    from ray.train.torch import TorchConfig
+@dataclass(frozen=True)
+class Target:
+    """What each rank runs: `python SCRIPT ARGS` or `python -m MODULE ARGS`."""
 
-    resources = {"CPU": cfg.cpus_per_worker}
-    if cfg.gpu:
-        resources["GPU"] = 1
-    elastic = {"elastic_resize_monitor_interval_s": cfg.resize_check_s} if cfg.elastic else {}
-    scaling = ScalingConfig(
-        num_workers=(cfg.workers, cfg.max_workers) if cfg.elastic else cfg.workers,
-        use_gpu=cfg.gpu,
-        resources_per_worker=resources,
-        placement_strategy=cfg.placement.upper(),
-        **elastic,
-    )
-    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
-    # Node drains (preemption) have their own budget, without limit, and never use these up.
-    max_failures = cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
-    run = RunConfig(
-        name=cfg.name,
-        storage_path=cfg.storage_path,
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        failure_config=FailureConfig(max_failures=max_failures),
-        worker_runtime_env=worker_env(),
-        logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
-    )
-    return scaling, run, TorchConfig(backend=cfg.resolved_backend)
+    name: str
+    """The script's path or the module's name, as the user typed it."""
+    module: bool
+    args: tuple[str, ...]
+    file: Path
+    """The script, or the module's source file: what must be the same on every node."""
+    root: Path
+    """The directory shipped when the nodes do not share one: the script's, or the module's root."""
+
+    def argv(self, shared: bool) -> list[str]:
+        """The child's command line after `python`: absolute on a shared filesystem, relative to
+        the shipped copy of `root` otherwise."""
+        if self.module:
+            return ["-m", self.name, *self.args]
+        script = str(self.file) if shared else str(self.file.relative_to(self.root))
+        return [script, *self.args]
 
 
-ELASTIC_RETRIES = 3
-"""Lost workers an elastic run recovers from when --max-failures is left at 0."""
+def find_target(name: str, module: bool, args: list[str]) -> Target:
+    """The script or module, checked here so a typo fails in one line before any worker starts."""
+    if module:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as err:
+            spec, reason = None, f" ({err})"
+        else:
+            reason = ""
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            raise ConfigError(
+                f"no module {name!r} to run with -m{reason}; run from the directory that holds it, "
+                "or add that directory to PYTHONPATH"
+            )
+        file = Path(spec.origin).absolute()
+        depth = name.count(".") + (1 if file.name == "__main__.py" else 0)
+        return Target(name, True, tuple(args), file, file.parents[depth])
+    file = Path(name).expanduser().absolute()
+    if not file.is_file():
+        raise ConfigError(f"no script {name} (looked for {file}); give the path to your training script")
+    return Target(name, False, tuple(args), file, file.parent)
 
-PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
-"""Env-var prefixes the driver hands to every worker: Ray workers inherit the raylet's environment,
-not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
+
+def parse_ranks(text: str, world_size: int) -> set[int]:
+    """--show-ranks: "all", or rank numbers like "0" or "0,3"."""
+    if text.strip() == "all":
+        return set(range(world_size))
+    try:
+        ranks = {int(part) for part in text.split(",")}
+    except ValueError:
+        raise ConfigError(f"--show-ranks {text!r} must be all or rank numbers such as 0 or 0,3") from None
+    outside = sorted(r for r in ranks if not 0 <= r < world_size)
+    if outside:
+        raise ConfigError(f"--show-ranks {text}: rank {outside[0]} is outside 0..{world_size - 1} (--workers {world_size})")
+    return ranks
 
 
-def worker_env() -> dict[str, Any] | None:
-    """The workers' runtime_env: only when there is something to pass, because any runtime_env
-    keeps Ray from handing the workers its pre-started processes (seconds at startup). Ray sets
-    OMP_NUM_THREADS to each worker's CPUs by itself."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    return {"env_vars": env} if env else None
-
-
-def dry_run(cfg: TrainConfig) -> None:
+def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = False) -> int:
+    """Run the target on cfg.workers ranks; return the exit status (0, the script's, or 75)."""
+    if cfg.elastic:
+        raise ConfigError(
+            f"raytrain launch runs a fixed number of ranks (a torchrun script keeps its own WORLD_SIZE); "
+            f"give --workers {cfg.workers}, or use raytrain run for --workers MIN:MAX"
+        )
+    shown = parse_ranks(show_ranks, cfg.workers)
     cfg, run_dir = resolve_run(cfg)
-    print(f"config:\n{dumps(cfg)}")
-    if cfg.cpus_per_worker is None or cfg.placement is None:
-        print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
-    scaling, run, torch_config = trainer_configs(choose_layout(cfg, []))
-    print(f"run directory: {run_dir}")
-    print(f"ray address: {ray_address(cfg) or 'a new private local Ray'}")
-    print(f"{scaling}\n{run}\n{torch_config}")
-
-
-def ray_address(cfg: TrainConfig) -> str | None:
-    return cfg.address or os.environ.get("RAY_ADDRESS") or None
-
-
-def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None:
-    """Join (or start) the Ray cluster. `runtime_env` is the job's, for all its workers: Ray ships a
-    local directory (the user's code) only when the connection is made with it."""
-    import ray
-
-    if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
-        return
-    address = ray_address(cfg)
-    quiet = dict(
-        logging_level=logging.INFO if cfg.verbose else logging.WARNING,
-        log_to_driver=cfg.verbose,
-    )
-    if address is None:
-        # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
-        # machine last started, which may be another user's or another job's.
-        if not cfg.verbose:  # Ray warns at every local start that it turned token auth on: good news
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            _temp_dir=os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}"),
-            **quiet,
-        )
-        return
-    if address == "auto":
-        raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
-    check_reachable(address)
-    if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
-        # A driver that names an address does not turn token auth on by itself, even with a token.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-    with stderr_captured(not cfg.verbose) as log:
-        try:
-            ray.init(address=address, runtime_env=runtime_env, **quiet)
-            return
-        except (ConnectionError, RuntimeError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            refused = log is not None and "InvalidAuthToken" in log.read_text(errors="replace")
-    if refused:
-        raise ConfigError(
-            f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to "
-            "the cluster's token file (and RAY_AUTH_MODE=token)"
-        )
-    raise ConfigError(
-        f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
-        "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
-    )
-
-
-@contextlib.contextmanager
-def stderr_captured(enabled: bool) -> Iterator[Path | None]:
-    """Send fd 2 to a file: Ray's C++ core logs each connection retry there, a line a second."""
-    if not enabled:
-        yield None
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.NamedTemporaryFile(prefix="raytrain-connect-", suffix=".log") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield Path(log.name)
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Ray retries an unreachable GCS forever; a plain TCP connect fails in seconds instead."""
-    host, _, port = address.split("://")[-1].rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--address {address!r} is not host:port (e.g. 10.0.0.1:6379)")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as err:
-        raise ConfigError(
-            f"no Ray cluster answers at {address} ({err.strerror or err}); check --address or "
-            "$RAY_ADDRESS, and that the head node is up"
-        ) from None
-
-
-def cpu_share(workers: int, node_cpus: list[int]) -> int:
-    """The most CPUs each of `workers` equal workers can have on nodes with `node_cpus` CPUs (at least 1).
-
-    Ray's SPREAD placement then puts them over the nodes evenly: 2 workers on two 2-CPU nodes get
-    a node and 2 CPUs each; 4 workers get 1 CPU each, two per node."""
-    best = 1
-    for cpus in range(1, max(node_cpus, default=1) + 1):
-        if sum(n // cpus for n in node_cpus) >= workers:
-            best = cpus
-    return best
-
-
-def choose_layout(cfg: TrainConfig, node_cpus: list[int]) -> TrainConfig:
-    """Fill in --cpus-per-worker and --placement where the user left them out.
-
-    On CPU the workers share the cluster's CPUs evenly and spread over the nodes: a worker's CPUs
-    are its threads, so a node left idle is throughput lost. With --gpu the GPU is the unit and
-    packing keeps NCCL on NVLink; --loader ray leaves CPUs to Ray Data's decode tasks."""
-    share = not cfg.gpu and cfg.loader != "ray" and cfg.cpus_per_worker is None
-    cpus = cfg.cpus_per_worker or (cpu_share(cfg.max_workers or cfg.workers, node_cpus) if share else 1)
-    return dataclasses.replace(cfg, cpus_per_worker=cpus, placement=cfg.placement or ("spread" if share else "pack"))
-
-
-def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
-    """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
-    fits = 0
-    for node in nodes:
-        here = int(node.get("CPU", 0) // cpus_per_worker)
-        if gpu:
-            here = min(here, int(node.get("GPU", 0)))
-        fits += here
-    if fits >= workers:
-        return None
-    kind = "GPU" if gpu else "CPU"
-    per_node = [int(n.get(kind, 0)) for n in nodes]
-    total = sum(per_node)
-    layout = (
-        f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} x {per_node[0]} {kind}s"
-        if len(set(per_node)) == 1
-        else " + ".join(str(c) for c in per_node) + f" {kind}s on {len(nodes)} nodes"
-    )
-    if gpu and total == 0:
-        return f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}); drop --gpu to train on CPU"
-    if gpu and total < workers:
-        return f"asked for {workers} GPUs, the cluster has {total}: {layout}; lower --workers or add GPU nodes"
-    need = f"{workers} workers x {cpus_per_worker} CPU{'s' if cpus_per_worker > 1 else ''}"
-    return (
-        f"asked for {need}, the cluster fits {fits}: {layout}; lower --workers or "
-        "--cpus-per-worker, add nodes, or pass --wait-for-resources SECONDS for nodes still joining"
-    )
-
-
-def preflight(cfg: TrainConfig) -> TrainConfig:
-    """Fail in seconds, naming what is missing, instead of waiting forever for resources; then
-    choose the layout (choose_layout) from the nodes there are, say it, and return cfg with it."""
-    import ray
-
-    deadline = time.monotonic() + cfg.wait_for_resources
-    while True:
-        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-        problem = placement_problem(cfg.workers, cfg.cpus_per_worker or 1, cfg.gpu, nodes)
-        if problem is None:
-            break
-        if time.monotonic() >= deadline:
-            raise ConfigError(problem)
-        time.sleep(1.0)
-    chosen = choose_layout(cfg, [int(n.get("CPU", 0)) for n in nodes])
-    total_cpus = sum(int(n.get("CPU", 0)) for n in nodes)
-    if chosen.loader == "ray" and total_cpus - chosen.workers * chosen.cpus_per_worker < 1:
-        raise ConfigError(
-            "--loader ray decodes images in Ray Data tasks, which need CPUs beside the training workers', "
-            f"but the workers take all {total_cpus}; lower --workers or --cpus-per-worker, add CPUs, or use --loader torch"
-        )
-    if chosen != cfg:
-        node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
-        print(
-            f"layout: {cfg.max_workers or cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
-            f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
-            f"{'+'.join(map(str, node_cpus))} CPUs; --cpus-per-worker and --placement override",
-            file=sys.stderr,
-        )
-    return chosen
-
-
-def on_this_node() -> Any:
-    """Ray's placement for the driver's own actors (metrics sink, launch hub): the driver's node.
-    A 0-CPU actor may land on any node, and one on a worker node would die with it, taking an
-    elastic run that should have gone on with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def check_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-probe"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(
-            f"cannot write run directory {run_dir} ({err.strerror}); pass a writable --storage-path"
-        ) from None
-
-
-def train_entry(loop_config: dict[str, Any]) -> None:
-    """What TorchTrainer ships to the workers: a reference to this light module, so the driver never
-    imports the worker loop (torch and friends take seconds to import on the critical path)."""
-    sys.path[:0] = [p for p in loop_config["code_paths"] if p not in sys.path]  # the user's modules
-    from raytrain_ddp.loop import train_loop
-
-    try:
-        train_loop(loop_config)
-    except RuntimeError as err:
-        if "find_unused_parameters" not in str(err):
-            raise
-        # DDP's own message is a page long and names its Python argument, not our flag.
-        name = loop_config["config"]["model"]
-        raise ConfigError(
-            f"--model {name} has parameters that got no gradient on a step (a layer its forward "
-            "skipped), which DDP cannot all-reduce; pass --find-unused-parameters"
-        ) from None
-
-
-def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
-    """Connect again, with the user's code as the job's runtime_env: the only way Ray uploads a
-    local directory. Only on a multi-node cluster whose nodes lack the code (a local Ray never)."""
-    import ray
-
-    if runtime_env:
-        ray.shutdown()
-        connect(cfg, runtime_env)
-
-
-def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
-    """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
-    that ship them), after importing each here first so a broken one fails in one line."""
-    from raytrain_ddp import plugins, shipping
-
-    specs = [s for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")]
-    sources = {plugins.source(s) for s in specs}
-    roots = {root for _, root in sources}
-    placements = [shipping.place(file, root) for file, root in sources]
-    if all(p.shared for p in placements):
-        for p in placements:
-            print(f"importing {', '.join(specs)} from {p.directory} on the workers ({p.describe()})")
-        return sorted(str(r) for r in roots), {}
-    if len(roots) > 1:
-        raise ConfigError(
-            f"--model and --dataset come from two directories ({', '.join(map(str, sorted(roots)))}) that the "
-            "nodes do not share; put both modules in one directory, or on storage every node mounts"
-        )
-    shipped = next(p for p in placements if not p.shared)
-    print(f"--model/--dataset modules: {shipped.describe()}")
-    return [], shipped.runtime_env()  # Ray puts each worker's unpacked copy on its PYTHONPATH
-
-
-def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
-    """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
-    (the Python API) override cfg's: a name, an import path, or a callable."""
-    from raytrain_ddp import plugins, tracking
-    from raytrain_ddp.data.ray_ingest import ray_datasets
-    from raytrain_ddp.data.registry import validate
-    from raytrain_ddp.models import model_builder
-
+    if dry_run:
+        scaling, run_config, _ = trainer_configs(choose_layout(cfg, []))
+        print(f"each of {cfg.workers} ranks runs: python {' '.join(target.argv(shared=True))}")
+        print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
+        return 0
     started = time.time()
-    (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
-    cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
-    given = {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
-    if "model" not in given:
-        model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
-    if "dataset" not in given:
-        validate(cfg)
-    tracking.check_installed(cfg)
-    cfg, run_dir = resolve_run(cfg)
-    if not cfg.resume:
-        start_fresh(run_dir)
     check_writable(run_dir)
     connect(cfg)
     cfg = preflight(cfg)
-    code_paths, code_env = user_code(cfg)
-    ship_code(cfg, code_env)
 
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import (
+        DataParallelTrainer,  # TorchTrainer, minus its process group
+    )
 
-    from raytrain_ddp.metrics import MetricsSink
+    from raytrain_ddp import shipping
+    from raytrain_ddp.launch_agent import LaunchHub, run_script
 
-    scaling, run_config, torch_config = trainer_configs(cfg)
-    sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
-    trainer = TorchTrainer(
-        train_entry,
-        train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": given, "code_paths": code_paths},
+    placement = shipping.place(target.file, target.root)
+    where = Path.cwd() if placement.shared else f"their copy of {target.root}"
+    say(f"ranks run in {where} ({placement.describe()})")
+    ship_code(cfg, placement.runtime_env())
+    scaling, run_config, _ = trainer_configs(cfg)
+    hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote(cfg.workers)
+    trainer = DataParallelTrainer(
+        run_script,
+        train_loop_config={
+            "hub": hub,
+            "argv": target.argv(placement.shared),
+            "cwd": str(Path.cwd()) if placement.shared else None,  # shipped: the copy Ray made
+            "probe": str(target.file.relative_to(target.root)),
+            "max_restarts": cfg.max_failures,
+            "run_id": cfg.name,
+        },
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=torch_config,
-        datasets=ray_datasets(cfg),
     )
-    display = Display(cfg.progress, cfg.epochs)
-    size = f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
-    display.print(f"run {cfg.name}: {size} {cfg.resolved_backend} workers -> {run_dir}")
-    if cfg.accum_steps(cfg.workers) > 1:
-        accum = cfg.accum_steps(cfg.workers)
-        display.print(
-            f"global batch {cfg.batch_size * cfg.workers * accum} = --batch-size {cfg.batch_size} x "
-            f"{cfg.workers} workers x {accum} accumulated micro-batches per optimizer step"
-        )
-    trackers = tracking.start(cfg, run_dir)
-    watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers)
-    watcher.start()
-    stop_on_signals(sink, display)
-    summary = None
+    backend = "GPU" if cfg.gpu else "CPU"
+    which = "all ranks" if len(shown) == cfg.workers else "rank " + ",".join(map(str, sorted(shown)))
+    say(f"{cfg.workers} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
+    say(f"showing {which} (--show-ranks); every rank's output: {run_dir / 'logs'}/rank-N.log")
+    printer = Printer(hub, run_dir / "logs", shown)
+    printer.start()
+    forward_signals(hub)
+    error = None
     try:
-        try:
-            trainer.fit()
-        finally:
-            watcher.stop()
-            display.close()
-        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started)
+        trainer.fit()
+    except Exception as err:  # judged below, from what the ranks said
+        error = err
     finally:
-        trackers.finish(run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
-    return summary
+        printer.stop()
+
+    import ray
+
+    outcome = ray.get(hub.outcome.remote())
+    write_summary(run_dir, cfg, target, outcome, started)
+    return judge(outcome, error)
 
 
-def finish_run(cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float) -> dict[str, Any]:
-    """The run's summary.json, once fit() returned; or why the run did not finish."""
-    if info.get("stopped_at"):
-        epoch, step = info["stopped_at"]
-        raise Stopped(
-            f"stopped by a signal with a checkpoint at epoch {epoch} step {step}; run the same "
-            f"command again (same --storage-path and --name {cfg.name}) to resume"
+def judge(outcome: dict[str, Any], error: BaseException | None) -> int:
+    """The exit status and the line that explains it: torchrun's, or raytrain's 75 after a stop."""
+    from raytrain_ddp.launch_agent import describe_exit, exit_status
+
+    exits = outcome["exits"]
+    first = outcome["failed_first"]
+    if outcome["stop_signal"]:
+        codes = {rank: e["code"] for rank, e in sorted(exits.items())}
+        bad = {rank: code for rank, code in codes.items() if code != 0}
+        if codes and not bad:
+            say(f"stopped: every rank's script exited 0 after {outcome['stop_signal']}; run the same "
+                "command again to resume from the script's own checkpoint")
+            return EXIT_STOPPED
+        if bad:
+            rank, code = next(iter(bad.items()))
+            say(f"stopped by {outcome['stop_signal']}: rank {rank} exited with {describe_exit(code)}")
+            return exit_status(code)
+    if first is not None:
+        failed = exits[first]
+        say(
+            f"error: rank {first} on {failed['hostname']} ({failed['ip']}) exited with "
+            f"{describe_exit(failed['code'])}" + (f": {failed['last_line']}" if failed["last_line"] else "")
         )
-    if len(rows) != cfg.epochs:
-        raise RuntimeError(f"training ended after {len(rows)} of {cfg.epochs} epochs")
-    summary = {
+        return exit_status(failed["code"]) or 1
+    if error is not None:
+        raise error  # not the script: Ray itself failed (a lost node, no resources); cli says it in one line
+    return 0
+
+
+def write_summary(run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float) -> None:
+    peers = [p or {} for p in outcome["peers"]]
+    write_json(run_dir / "summary.json", {
         "name": cfg.name,
         "run_dir": str(run_dir),
-        "final": rows[-1],
-        "world_size": info["world_size"],
-        "backend": info["backend"],
-        "nodes": [r["hostname"] for r in info["ranks"]],
-        "node_ips": [r["ip"] for r in info["ranks"]],
+        "command": ["python", *target.argv(shared=True)],
+        "world_size": cfg.workers,
+        "attempts": outcome["attempts"],
+        "nodes": [p.get("hostname") for p in peers],
+        "node_ips": [p.get("ip") for p in peers],
+        "exit_codes": [outcome["exits"].get(r, {}).get("code") for r in range(cfg.workers)],
+        "stop_signal": outcome["stop_signal"],
         "wall_time_s": round(time.time() - started, 3),
-        "first_step_unix": info.get("first_step_unix"),
-        "resizes": [{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
-        "config": cfg.to_dict(),
-    }
-    write_json(run_dir / "summary.json", summary)
-    return summary
+        "config": {key: getattr(cfg, key) for key in LAUNCH_FIELDS},
+    })
 
 
-def resize_reason(event: dict[str, Any]) -> str:
-    return "a worker or its node was lost" if event["to"] < event["from"] else "the cluster had room for more workers"
+def say(line: str) -> None:
+    """raytrain's own lines go to stderr, so the script's stdout stays the script's."""
+    print(f"raytrain: {line}" if not line.startswith("error: ") else line, file=sys.stderr, flush=True)
 
 
-def describe_resize(event: dict[str, Any]) -> str:
-    when = time.strftime("%H:%M:%S", time.localtime(event["at"]))
-    return (
-        f"{event['from']} -> {event['to']} workers at {when}, epoch {event['epoch']} after {event['position']} "
-        f"samples ({resize_reason(event)}); the epoch goes on from there, re-sharded"
-    )
-
-
-class Stopped(Exception):
-    """The run checkpointed and stopped early because the driver got SIGUSR1 or SIGTERM."""
-
-
-EXIT_STOPPED = 75
-"""EX_TEMPFAIL: stopped after a checkpoint; rerunning the same command resumes (Slurm requeues)."""
-
-
-def start_fresh(run_dir: Path) -> None:
-    """--no-resume: move an old run aside rather than delete it, so nothing is lost."""
-    if run_dir.exists() and any(run_dir.iterdir()):
-        aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(aside)
-        print(f"--no-resume: moved the previous run to {aside}")
-
-
-def stop_on_signals(sink: Any, display: Display) -> None:
-    """Slurm sends SIGUSR1 (--signal=B:USR1@grace) or SIGTERM before it kills a job."""
+def forward_signals(hub: Any) -> None:
+    """SIGTERM and SIGUSR1 (Slurm's notice, scancel, a time limit) reach every script as SIGTERM."""
 
     def handler(signum: int, _frame: Any) -> None:
-        display.print(f"got {signal.Signals(signum).name}: checkpointing at the next agreed step, then stopping")
-        sink.request_stop.remote()
+        name = signal.Signals(signum).name
+        say(f"got {name}: sending SIGTERM to every rank's script")
+        hub.request_stop.remote(name)
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, handler)
 
 
-class Watcher(threading.Thread):
-    """Polls the metrics sink while fit() blocks: updates the display, rewrites the metrics files."""
+class Printer(threading.Thread):
+    """Fetches the ranks' lines while fit() blocks: every line to logs/rank-N.log, the shown ranks'
+    lines to this terminal (stdout or stderr, as the script wrote them), marked `[rankN]:` as
+    torchrun's --tee marks them."""
 
-    def __init__(self, sink: Any, display: Display, run_dir: Path, tensorboard: bool, trackers: Any):
+    def __init__(self, hub: Any, log_dir: Path, shown: set[int]):
         super().__init__(daemon=True)
-        self.sink, self.display, self.run_dir, self.trackers = sink, display, run_dir, trackers
-        self.tensorboard = tensorboard_writer(run_dir) if tensorboard else None
-        self.info: dict[str, Any] = {}
-        self.rows: list[dict[str, Any]] = []
+        self.hub, self.log_dir, self.shown = hub, log_dir, shown
+        self.files: dict[int, TextIO] = {}
+        self.attempt = "1"
         self.done = threading.Event()
+        log_dir.mkdir(parents=True, exist_ok=True)
 
-    def poll(self) -> None:
+    def log(self, rank: int) -> TextIO:
+        if rank not in self.files:
+            self.files[rank] = open(self.log_dir / f"rank-{rank}.log", "a", buffering=1)
+        return self.files[rank]
+
+    def drain(self) -> None:
         import ray
 
-        info, step, rows = ray.get(self.sink.poll.remote())
-        if rows != self.rows:
-            write_csv(self.run_dir / "metrics.csv", rows)
-            write_parquet(self.run_dir / "metrics.parquet", rows)
-            if self.tensorboard is not None:
-                for row in rows[len(self.rows) :]:
-                    for key, value in row.items():
-                        if isinstance(value, (int, float)) and key != "epoch":
-                            self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
-                self.tensorboard.flush()
-            self.trackers.log_rows(rows[len(self.rows) :])
-        if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
-            # Which pid on which host is which rank: for the user (and for tests that kill one).
-            write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
-        if info.get("resumed_at") and info.get("resumed_at") != self.info.get("resumed_at"):
-            epoch, position, at_step = info["resumed_at"]
-            self.display.print(f"resumed from the checkpoint at epoch {epoch} step {at_step} (after {position} of its samples)")
-        if info.get("drain_saved") and info.get("drain_saved") != self.info.get("drain_saved"):
-            epoch, position = info["drain_saved"]
-            self.display.print(f"Ray is draining a node of this run: checkpointed at epoch {epoch} after {position} samples")
-        for event in info.get("resizes", [])[len(self.info.get("resizes", [])) :]:
-            self.display.print(f"resized: {describe_resize(event)}")
-        self.info, self.rows = info, rows
-        self.display.update(info, step, rows)
+        for rank, stream, text in ray.get(self.hub.take_lines.remote()):
+            if rank < 0:  # a new worker group: mark it in every log and on the terminal
+                self.attempt = text
+                for f in self.files.values():
+                    f.write(f"--- attempt {text} ---\n")
+                if text != "1":
+                    say(f"attempt {text}: the worker group restarted (--max-failures); the script runs again")
+                continue
+            self.log(rank).write(text + "\n")
+            if rank in self.shown:
+                print(f"[rank{rank}]: {text}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 
     def run(self) -> None:
         while not self.done.wait(POLL_S):
-            self.poll()
+            self.drain()
 
     def stop(self) -> None:
         self.done.set()
         self.join()
-        self.poll()  # the last epoch's row may have landed after the previous poll
+        self.drain()  # the last lines may have landed after the previous poll
+        for f in self.files.values():
+            f.close()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_ddp.config import ConfigError, TrainConfig
+
 PROBE_TIMEOUT_S = 60.0
 """How long the per-node file check may take before we give up and ship the code."""
 SHIP_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", "venv", "runs", "*.egg-info"]
@@ -82,3 +84,38 @@ def place(probe: Path, directory: Path) -> Placement:
     except Exception:  # a node too busy to answer: shipping always works
         found = [None] * len(nodes)
     return Placement(directory, nodes=len(nodes), lacking=sum(f != want for f in found))
+
+
+def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
+    """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
+    that ship them), after importing each here first so a broken one fails in one line."""
+    from raytrain_ddp import plugins
+
+    specs = [s for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")]
+    sources = {plugins.source(s) for s in specs}
+    roots = {root for _, root in sources}
+    placements = [place(file, root) for file, root in sources]
+    if all(p.shared for p in placements):
+        for p in placements:
+            print(f"importing {', '.join(specs)} from {p.directory} on the workers ({p.describe()})")
+        return sorted(str(r) for r in roots), {}
+    if len(roots) > 1:
+        raise ConfigError(
+            f"--model and --dataset come from two directories ({', '.join(map(str, sorted(roots)))}) that the "
+            "nodes do not share; put both modules in one directory, or on storage every node mounts"
+        )
+    shipped = next(p for p in placements if not p.shared)
+    print(f"--model/--dataset modules: {shipped.describe()}")
+    return [], shipped.runtime_env()  # Ray puts each worker's unpacked copy on its PYTHONPATH
+
+
+def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
+    """Connect again, with the user's code as the job's runtime_env: the only way Ray uploads a
+    local directory. Only on a multi-node cluster whose nodes lack the code (a local Ray never)."""
+    import ray
+
+    from raytrain_ddp.cluster import connect
+
+    if runtime_env:
+        ray.shutdown()
+        connect(cfg, runtime_env)

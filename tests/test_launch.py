@@ -1,152 +1,117 @@
-"""The driver: can this many workers be placed on these nodes, with how many CPUs each; and elastic runs."""
+"""`raytrain launch`: an unmodified torchrun-style script on a real local Ray, and its bad input."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import REPO, raytrain
+from test_cli import assert_refused
 
-from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.launch import choose_layout, cpu_share, placement_problem
-from raytrain_ddp.metrics import read_csv
-from raytrain_ddp.tools.head import joined_node, local_head
+from raytrain_ddp.launch import parse_ranks
 
-
-def test_fits():
-    nodes = [{"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2}]
-    assert placement_problem(4, 1, True, nodes) is None
-    assert placement_problem(8, 1, False, nodes) is None
-    assert placement_problem(2, 4, False, nodes) is None
+SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
+SAMPLES = 256
 
 
-def test_too_few_gpus_names_the_layout():
-    nodes = [{"CPU": 32, "GPU": 4}, {"CPU": 32, "GPU": 4}]
-    assert placement_problem(16, 1, True, nodes) == (
-        "asked for 16 GPUs, the cluster has 8: 2 nodes x 4 GPUs; lower --workers or add GPU nodes"
+def ranks_said(out: Path, world_size: int = 2) -> list[dict]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.e2e
+def test_torchrun_script_runs_unchanged(ray_head, tmp_path):
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    proc = raytrain("launch", "--workers", "2", "--storage-path", str(runs), "--name", "t",
+                    str(SCRIPT), "--out", str(out), "--samples", str(SAMPLES), env=ray_head.env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    said = ranks_said(out)
+    for rank, env in enumerate(s["env"] for s in said):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2" and env["NODE_RANK"] == env["GROUP_RANK"] == "0"
+    assert said[0]["env"]["MASTER_ADDR"] == said[1]["env"]["MASTER_ADDR"]
+    assert said[0]["env"]["MASTER_PORT"] == said[1]["env"]["MASTER_PORT"]
+    # DistributedSampler under the script's own process group: disjoint shards that cover the data.
+    shards = [set(s["indices"]) for s in said]
+    assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(SAMPLES))
+    assert all(s["cwd"] == str(tmp_path) for s in said)  # the driver's directory, shared here
+    assert torch.load(out / "model.pt")["epoch"] == 2  # rank 0 saved after the barrier
+
+    # Rank 0 on the terminal, marked; every rank in its own log; raytrain's own lines on stderr.
+    assert "[rank0]: done: accuracy" in proc.stdout and "[rank1]:" not in proc.stdout
+    logs = runs / "t" / "logs"
+    assert "rank 1/2" in (logs / "rank-1.log").read_text() and "rank 0/2" in (logs / "rank-0.log").read_text()
+    assert f"ranks run in {tmp_path}" in proc.stderr
+    summary = json.loads((runs / "t" / "summary.json").read_text())
+    assert summary["exit_codes"] == [0, 0] and summary["world_size"] == 2
+
+
+@pytest.mark.e2e
+def test_failing_rank_is_named_and_its_exit_status_carried(ray_head, tmp_path):
+    """`-m module` form, every rank shown; rank 1 exits 3 while rank 0 trains on."""
+    shutil.copy(SCRIPT, tmp_path / "trainer.py")
+    proc = raytrain("launch", "-w", "2", "--show-ranks", "all", "--storage-path", str(tmp_path / "runs"),
+                    "-m", "trainer", "--out", str(tmp_path / "out"), "--fail-rank", "1", "--exit-code", "3",
+                    env=ray_head.env, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rank 1 on ") and last.endswith("exited with status 3: rank 1 is failing on purpose")
+    assert "[rank0]: epoch 0" in proc.stdout and "[rank1]: epoch 0" in proc.stdout
+    assert "Traceback" not in last
+
+
+@pytest.mark.e2e
+def test_sigterm_reaches_the_script_which_checkpoints(ray_head, tmp_path):
+    out = tmp_path / "out"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp", "launch", "-w", "2", "--storage-path", str(tmp_path / "runs"),
+         str(SCRIPT), "--out", str(out), "--wait-for-sigterm"],
+        env=ray_head.env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    try:
+        for line in driver.stdout:  # trains until told to stop
+            if "[rank0]: epoch 1 " in line:
+                break
+        driver.send_signal(signal.SIGTERM)
+        stdout, stderr = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 75, stderr[-3000:]
+    assert "got SIGTERM: sending SIGTERM to every rank's script" in stderr
+    assert all(s["stopped_by_sigterm"] for s in ranks_said(out))
+    assert torch.load(out / "model.pt")["stopped"] is True
 
 
-def test_gpu_on_a_cpu_cluster():
-    problem = placement_problem(2, 1, True, [{"CPU": 8}])
-    assert problem.startswith("--gpu asks for 2 GPUs, but the cluster has none") and "drop --gpu" in problem
+def test_missing_script_is_one_line(tmp_path):
+    started = time.monotonic()
+    proc = raytrain("launch", "-w", "2", "--address", "127.0.0.1:1", "trian.py", "--lr", "3", cwd=tmp_path)
+    assert_refused(proc, "no script trian.py", "path to your training script", within_s=30, started=started)
 
 
-def test_cpus_do_not_split_across_nodes():
-    # 3 CPUs on each of two nodes hold one 2-CPU worker each, not three.
-    problem = placement_problem(3, 2, False, [{"CPU": 3}, {"CPU": 3}])
-    assert problem.startswith("asked for 3 workers x 2 CPUs, the cluster fits 2: 2 nodes x 3 CPUs")
+def test_missing_module_is_one_line(tmp_path):
+    proc = raytrain("launch", "--address", "127.0.0.1:1", "-m", "no_such_trainer", cwd=tmp_path)
+    assert_refused(proc, "no module 'no_such_trainer' to run with -m", "PYTHONPATH")
 
 
-def test_uneven_nodes():
-    problem = placement_problem(9, 1, False, [{"CPU": 4}, {"CPU": 2}])
-    assert "4 + 2 CPUs on 2 nodes" in problem
+def test_options_after_the_script_are_the_scripts(tmp_path):
+    """--workers after the script is the script's own flag, as with torchrun, so raytrain keeps its 3."""
+    proc = raytrain("launch", "--dry-run", "-w", "3", str(SCRIPT), "--workers", "9", "-m", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"each of 3 ranks runs: python {SCRIPT} --workers 9 -m" in proc.stdout
+    assert "num_workers=3" in proc.stdout
 
 
-def test_cpu_workers_share_the_cluster_evenly():
-    assert cpu_share(2, [2, 2]) == 2  # one worker per node, the whole node each
-    assert cpu_share(4, [2, 2]) == 1  # two per node
-    assert cpu_share(3, [2, 2]) == 1
-    assert cpu_share(2, [8]) == 4
-    assert cpu_share(2, [8, 2]) == 4  # both on the big node beats 2 CPUs each
-    assert cpu_share(3, [4, 4, 4]) == 4
-    assert cpu_share(16, [4, 4]) == 1  # does not fit at all: the preflight says so, not this
-
-
-def test_layout_on_cpu_spreads_and_shares_unless_told():
-    nodes = [2, 2]
-    chosen = choose_layout(TrainConfig(workers=2), nodes)
-    assert (chosen.cpus_per_worker, chosen.placement) == (2, "spread")
-    # An explicit choice wins; the other half is still filled in.
-    assert choose_layout(TrainConfig(workers=2, cpus_per_worker=1), nodes).cpus_per_worker == 1
-    assert choose_layout(TrainConfig(workers=2, cpus_per_worker=1), nodes).placement == "pack"
-    assert choose_layout(TrainConfig(workers=2, placement="pack"), nodes).cpus_per_worker == 2
-    # GPUs are packed one CPU each, as before; Ray Data's decode tasks need the CPUs --loader ray leaves.
-    gpu = choose_layout(TrainConfig(workers=2, gpu=True), nodes)
-    assert (gpu.cpus_per_worker, gpu.placement) == (1, "pack")
-    assert choose_layout(TrainConfig(workers=2, loader="ray"), nodes).cpus_per_worker == 1
-
-
-def elastic_run(tmp_path: Path, name: str, epochs: int, *args: str) -> list[str]:
-    """`raytrain run --workers 1:2` on 1-CPU workers, with epochs of a few seconds (a checkpoint
-    costs 1-2 s here: few of them)."""
-    return [sys.executable, "-m", "raytrain_ddp", "run", "--workers", "1:2", "--cpus-per-worker", "1",
-            "--epochs", str(epochs), "--train-samples", "4096", "--val-samples", "64", "--batch-size", "16",
-            "--data-workers", "0", "--progress", "plain", "--storage-path", str(tmp_path), "--name", name, *args]
-
-
-def read_until(driver: subprocess.Popen, prefix: str, output: list[str]) -> None:
-    for line in driver.stdout:
-        output.append(line)
-        if line.startswith(prefix):
-            return
-
-
-@pytest.mark.e2e
-def test_an_elastic_run_grows_when_a_node_joins(tmp_path):
-    """--workers 1:2 on a 1-CPU cluster starts with 1 worker; a node that joins mid-run grows it to 2,
-    from the latest checkpoint, and the run files say so."""
-    output: list[str] = []
-    with local_head(num_cpus=1) as head:
-        driver = subprocess.Popen(elastic_run(tmp_path, "elastic", 4, "--resize-check-s", "2", "--checkpoint-every-steps", "32"), env=head.env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            read_until(driver, "epoch 1/4  train loss", output)  # an epoch at 1 worker
-            with joined_node(head, num_cpus=1):
-                output += driver.stdout.readlines()
-                driver.wait(timeout=300)
-        finally:
-            driver.kill()
-    log = "".join(output)
-    assert driver.returncode == 0, log[-3000:]
-    rows = read_csv(tmp_path / "elastic" / "metrics.csv")
-    assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"], log[-3000:]
-    assert rows[0]["world_size"] == "1" and rows[-1]["world_size"] == "2", log[-3000:]
-    assert int(rows[-1]["resizes"]) == 1
-    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
-    [resize] = summary["resizes"]
-    assert (resize["from"], resize["to"]) == (1, 2) and "room" in resize["why"], resize
-    assert "resized: 1 -> 2 workers" in log and summary["world_size"] == 2
-    assert "2 workers, global batch 32 (resized 1x)" in log  # the epoch line says the global batch changed
-
-
-NOT_THE_HEAD = (
-    "import ray; ray.init(); "
-    "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and 'node:__internal_head__' not in n['Resources']])"
-)
-
-
-@pytest.mark.e2e
-def test_a_node_drain_is_answered_with_a_checkpoint_and_the_run_goes_on(tmp_path):
-    """Ray announces that a node will go (a spot reclaim; here `ray drain-node`): the ranks checkpoint
-    at once, and when it goes, the elastic run resumes on the other node from the latest checkpoint."""
-    output: list[str] = []
-    with local_head(num_cpus=1) as head, joined_node(head, num_cpus=1):
-        driver = subprocess.Popen(
-            elastic_run(tmp_path, "drained", 8, "--resize-check-s", "600", "--wait-for-resources", "30"),
-            env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        try:
-            read_until(driver, "epoch 1/8  train loss", output)  # training on both nodes
-            other = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
-                                   text=True, timeout=120, check=True).stdout.split()[-1]
-            subprocess.run(
-                [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", head.address, "--node-id",
-                 other, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                 "--deadline-remaining-seconds", "5"],
-                env=head.env, capture_output=True, text=True, timeout=120, check=True,
-            )
-            output += driver.stdout.readlines()
-            driver.wait(timeout=300)
-        finally:
-            driver.kill()
-    log = "".join(output)
-    assert driver.returncode == 0, log[-3000:]
-    assert "Ray is draining a node of this run: checkpointed at epoch" in log, log[-3000:]
-    rows = read_csv(tmp_path / "drained" / "metrics.csv")
-    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 9)], log[-3000:]
-    assert rows[0]["world_size"] == "2" and rows[-1]["world_size"] == "1", log[-3000:]
-    [resize] = json.loads((tmp_path / "drained" / "summary.json").read_text())["resizes"]
-    assert (resize["from"], resize["to"]) == (2, 1), resize
+def test_show_ranks():
+    assert parse_ranks("all", 4) == {0, 1, 2, 3}
+    assert parse_ranks("0,3", 4) == {0, 3}
+    with pytest.raises(ValueError, match="rank 4 is outside 0..3"):
+        parse_ranks("4", 4)
+    with pytest.raises(ValueError, match="must be all or rank numbers"):
+        parse_ranks("first", 4)

@@ -13,8 +13,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain_ddp"
-DRIVER_SIDE = ("raytrain_ddp.cli", "raytrain_ddp.launch", "raytrain_ddp.script", "raytrain_ddp.tools")
-"""The CLI, the drivers of `run` and `launch`, and the cluster tools."""
+DRIVER_SIDE = (
+    "raytrain_ddp.cli", "raytrain_ddp.driver", "raytrain_ddp.cluster", "raytrain_ddp.shipping", "raytrain_ddp.launch",
+    "raytrain_ddp.tools",
+)
+"""The CLI, the drivers of `run` and `launch`, the cluster plumbing they share, and the cluster tools."""
+
+
+def driver_side(name: str) -> bool:
+    return any(name == d or name.startswith(d + ".") for d in DRIVER_SIDE)
 
 
 def module_name(path: Path) -> str:
@@ -65,8 +72,28 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_the_worker_loop_never_reaches_the_cli_or_the_driver():
-    worker_side = reachable("raytrain_ddp.loop") | reachable("raytrain_ddp.agent") | {"raytrain_ddp.loop"}
-    assert sorted(m for m in worker_side if m.startswith(DRIVER_SIDE)) == []
+    entries = ("raytrain_ddp.worker", "raytrain_ddp.loop", "raytrain_ddp.launch_agent")
+    worker_side = set(entries).union(*(reachable(e) for e in entries))
+    assert sorted(m for m in worker_side if driver_side(m)) == []
+
+
+def test_what_the_workers_run_lives_outside_the_drivers():
+    """TorchTrainer's function for `run` is in worker.py and the launch agent's in launch_agent.py, so
+    the driver modules hold only what runs on the driver."""
+    defined = {name: {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)} for name, path in MODULES.items()}
+    assert "train_entry" in defined["raytrain_ddp.worker"]
+    assert "run_script" in defined["raytrain_ddp.launch_agent"]
+    assert sorted(n for n in MODULES if driver_side(n) and {"train_entry", "train_loop", "run_script"} & defined[n]) == []
+
+
+def test_exit_codes_are_defined_once():
+    assigned = {
+        name: [t.id for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name) and t.id.startswith("EXIT_")]
+        for name, path in MODULES.items()
+    }
+    assert {name: codes for name, codes in assigned.items() if codes and name != "raytrain_ddp.errors"} == {}
+    assert {"EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_INTERRUPTED"} <= set(assigned["raytrain_ddp.errors"])
 
 
 def test_config_imports_no_other_project_module():
@@ -75,7 +102,7 @@ def test_config_imports_no_other_project_module():
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("raytrain_ddp.data") or n == "raytrain_ddp.models"))
 def test_data_and_models_stay_off_cluster_code(name):
-    assert sorted(m for m in reachable(name) if m.startswith(DRIVER_SIDE)) == []
+    assert sorted(m for m in reachable(name) if driver_side(m)) == []
     # Ray Data and Ray Train's per-worker API feed the ingest paths; nothing else of Ray.
     ray_parts = {m for m in imports(name) if m == "ray" or m.startswith("ray.")}
     assert ray_parts <= {"ray.data", "ray.train"}, ray_parts

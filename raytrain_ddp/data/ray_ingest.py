@@ -121,7 +121,7 @@ def decode_augment(
 def ray_datasets(cfg: TrainConfig) -> dict | None:
     """The Ray Data datasets TorchTrainer splits across workers, for --loader ray; else None.
 
-    Runs on the driver after it connected (and launch.preflight saw CPUs to spare for decoding):
+    Runs on the driver after it connected (and cluster.preflight saw CPUs to spare for decoding):
     the datasets are lazy plans, nothing is read yet.
     """
     if cfg.loader != "ray":

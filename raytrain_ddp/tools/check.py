@@ -99,7 +99,7 @@ def check(cfg: Any, iters: int) -> bool:
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_ddp.launch import connect, preflight, trainer_configs
+    from raytrain_ddp.cluster import connect, preflight, trainer_configs
 
     connect(cfg)
     print(f"Ray {ray.__version__}, token auth {'on' if auth_enabled() else 'OFF'}")

@@ -111,14 +111,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def scale(cfg: TrainConfig, sizes: list[int]) -> Path:
     """Run each size, then write and print the table; returns the study's directory."""
-    from raytrain_ddp import launch
+    from raytrain_ddp import cluster, driver
     from raytrain_ddp.metrics import read_csv
 
-    cfg, study_dir = launch.resolve_run(cfg)
+    cfg, study_dir = cluster.resolve_run(cfg)
     summaries, rows = [], []
     for n in sizes:
         run_cfg = dataclasses.replace(cfg, workers=n, storage_path=str(study_dir), name=f"workers-{n}")
-        summary = launch.run(run_cfg)
+        summary = driver.run(run_cfg)
         summaries.append(summary)
         rows.append(read_csv(Path(summary["run_dir"]) / "metrics.csv"))
     result = table(summaries, rows)

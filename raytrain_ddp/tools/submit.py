@@ -34,17 +34,15 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 import raytrain_ddp
+from raytrain_ddp.cluster import PASSED_TO_WORKERS
 from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
-from raytrain_ddp.launch import PASSED_TO_WORKERS
-from raytrain_ddp.script import LAUNCH_FIELDS, find_target
+from raytrain_ddp.errors import EXIT_INTERRUPTED
+from raytrain_ddp.launch import LAUNCH_FIELDS, find_target
 from raytrain_ddp.shipping import SHIP_EXCLUDES
 
 STOP_GRACE_S = 60
 """Seconds from `raytrain stop`'s SIGTERM to Ray's SIGKILL. The run checkpoints at its next agreed
 step and exits in between; Ray's default, 3 s, is too short to save a checkpoint."""
-
-EXIT_STOPPED = 130
-"""`submit`/`logs --follow` when the job was stopped, or when Ctrl-C detached us from it."""
 
 CHECK_TIMEOUT_S = 10.0
 """Ray's client waits for the OS's TCP timeout (minutes) on an address that drops packets."""
@@ -334,7 +332,7 @@ def follow(jobs: Any, url: str, job_id: str) -> int:
     except KeyboardInterrupt:
         say(f"detached; job {job_id} keeps running. Follow it: raytrain logs {job_id} --follow "
             f"--address {url}; stop it: raytrain stop {job_id} --address {url}")
-        return EXIT_STOPPED
+        return EXIT_INTERRUPTED  # the job was stopped, or Ctrl-C detached us from it
     if not info.status.is_terminal():
         raise RuntimeError(
             f"the log stream of {job_id} ended while the job is {info.status}; "
@@ -350,7 +348,7 @@ def exit_status(info: Any) -> int:
     if status == "SUCCEEDED":
         return 0
     if status == "STOPPED":
-        return EXIT_STOPPED
+        return EXIT_INTERRUPTED  # the job was stopped, or Ctrl-C detached us from it
     code = info.driver_exit_code
     return code if isinstance(code, int) and 0 < code < 256 else 1
 

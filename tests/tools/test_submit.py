@@ -24,6 +24,7 @@ from test_cli import assert_refused
 
 from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
+from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.shipping import SHIP_EXCLUDES
 from raytrain_ddp.tools import submit
 
@@ -268,7 +269,7 @@ def test_exit_status_is_the_jobs_failed_and_stopped(dashboard_head, tmp_path):
     stop = raytrain("stop", job_id, *address, env=dashboard_head.env)
     assert stop.returncode == 0 and f"stopping {job_id}" in stop.stderr, stop.stderr
     followed = raytrain("logs", job_id, "--follow", *address, env=dashboard_head.env, timeout=180)
-    assert followed.returncode == submit.EXIT_STOPPED, followed.stderr
+    assert followed.returncode == EXIT_INTERRUPTED, followed.stderr
     status = raytrain("status", job_id, *address, env=dashboard_head.env)
     assert f"{job_id}: STOPPED" in status.stdout
     unknown = raytrain("status", "raysubmit_nosuchjob", *address, env=dashboard_head.env)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_ddp.agent import exit_status, torchrun_env
+from raytrain_ddp.launch_agent import exit_status, torchrun_env
 
 
 def peer(rank: int, node_rank: int, local_rank: int, gpus: list[str], ip: str, port: int | None = None) -> dict:

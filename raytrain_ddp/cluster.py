@@ -1,0 +1,270 @@
+"""Cluster plumbing shared by `raytrain run` and `raytrain launch`: the run directory, connecting to
+Ray, checking that the request fits, choosing the workers' layout, and Ray Train's configs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from raytrain_ddp.config import ConfigError, TrainConfig
+
+
+def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
+    """Fill in the run name and return the run directory, <storage-path>/<name>."""
+    if cfg.name is None:
+        cfg = dataclasses.replace(cfg, name=time.strftime("run-%Y%m%d-%H%M%S"))
+    storage = Path(cfg.storage_path).expanduser().absolute()
+    # Ray needs an absolute path: workers on other nodes do not share the driver's cwd.
+    cfg = dataclasses.replace(cfg, storage_path=str(storage))
+    return cfg, storage / cfg.name
+
+
+def check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write run directory {run_dir} ({err.strerror}); pass a writable --storage-path"
+        ) from None
+
+
+def ray_address(cfg: TrainConfig) -> str | None:
+    return cfg.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None:
+    """Join (or start) the Ray cluster. `runtime_env` is the job's, for all its workers: Ray ships a
+    local directory (the user's code) only when the connection is made with it."""
+    import ray
+
+    if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
+        return
+    address = ray_address(cfg)
+    quiet = dict(
+        logging_level=logging.INFO if cfg.verbose else logging.WARNING,
+        log_to_driver=cfg.verbose,
+    )
+    if address is None:
+        # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
+        # machine last started, which may be another user's or another job's.
+        if not cfg.verbose:  # Ray warns at every local start that it turned token auth on: good news
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _temp_dir=os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}"),
+            **quiet,
+        )
+        return
+    if address == "auto":
+        raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
+    check_reachable(address)
+    if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
+        # A driver that names an address does not turn token auth on by itself, even with a token.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    with stderr_captured(not cfg.verbose) as log:
+        try:
+            ray.init(address=address, runtime_env=runtime_env, **quiet)
+            return
+        except (ConnectionError, RuntimeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            refused = log is not None and "InvalidAuthToken" in log.read_text(errors="replace")
+    if refused:
+        raise ConfigError(
+            f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to "
+            "the cluster's token file (and RAY_AUTH_MODE=token)"
+        )
+    raise ConfigError(
+        f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
+        "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
+    )
+
+
+@contextlib.contextmanager
+def stderr_captured(enabled: bool) -> Iterator[Path | None]:
+    """Send fd 2 to a file: Ray's C++ core logs each connection retry there, a line a second."""
+    if not enabled:
+        yield None
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.NamedTemporaryFile(prefix="raytrain-connect-", suffix=".log") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield Path(log.name)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Ray retries an unreachable GCS forever; a plain TCP connect fails in seconds instead."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--address {address!r} is not host:port (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            f"no Ray cluster answers at {address} ({err.strerror or err}); check --address or "
+            "$RAY_ADDRESS, and that the head node is up"
+        ) from None
+
+
+def cpu_share(workers: int, node_cpus: list[int]) -> int:
+    """The most CPUs each of `workers` equal workers can have on nodes with `node_cpus` CPUs (at least 1).
+
+    Ray's SPREAD placement then puts them over the nodes evenly: 2 workers on two 2-CPU nodes get
+    a node and 2 CPUs each; 4 workers get 1 CPU each, two per node."""
+    best = 1
+    for cpus in range(1, max(node_cpus, default=1) + 1):
+        if sum(n // cpus for n in node_cpus) >= workers:
+            best = cpus
+    return best
+
+
+def choose_layout(cfg: TrainConfig, node_cpus: list[int]) -> TrainConfig:
+    """Fill in --cpus-per-worker and --placement where the user left them out.
+
+    On CPU the workers share the cluster's CPUs evenly and spread over the nodes: a worker's CPUs
+    are its threads, so a node left idle is throughput lost. With --gpu the GPU is the unit and
+    packing keeps NCCL on NVLink; --loader ray leaves CPUs to Ray Data's decode tasks."""
+    share = not cfg.gpu and cfg.loader != "ray" and cfg.cpus_per_worker is None
+    cpus = cfg.cpus_per_worker or (cpu_share(cfg.max_workers or cfg.workers, node_cpus) if share else 1)
+    return dataclasses.replace(cfg, cpus_per_worker=cpus, placement=cfg.placement or ("spread" if share else "pack"))
+
+
+def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
+    """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
+    fits = 0
+    for node in nodes:
+        here = int(node.get("CPU", 0) // cpus_per_worker)
+        if gpu:
+            here = min(here, int(node.get("GPU", 0)))
+        fits += here
+    if fits >= workers:
+        return None
+    kind = "GPU" if gpu else "CPU"
+    per_node = [int(n.get(kind, 0)) for n in nodes]
+    total = sum(per_node)
+    layout = (
+        f"{len(nodes)} node{'s' if len(nodes) != 1 else ''} x {per_node[0]} {kind}s"
+        if len(set(per_node)) == 1
+        else " + ".join(str(c) for c in per_node) + f" {kind}s on {len(nodes)} nodes"
+    )
+    if gpu and total == 0:
+        return f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}); drop --gpu to train on CPU"
+    if gpu and total < workers:
+        return f"asked for {workers} GPUs, the cluster has {total}: {layout}; lower --workers or add GPU nodes"
+    need = f"{workers} workers x {cpus_per_worker} CPU{'s' if cpus_per_worker > 1 else ''}"
+    return (
+        f"asked for {need}, the cluster fits {fits}: {layout}; lower --workers or "
+        "--cpus-per-worker, add nodes, or pass --wait-for-resources SECONDS for nodes still joining"
+    )
+
+
+def preflight(cfg: TrainConfig) -> TrainConfig:
+    """Fail in seconds, naming what is missing, instead of waiting forever for resources; then
+    choose the layout (choose_layout) from the nodes there are, say it, and return cfg with it."""
+    import ray
+
+    deadline = time.monotonic() + cfg.wait_for_resources
+    while True:
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        problem = placement_problem(cfg.workers, cfg.cpus_per_worker or 1, cfg.gpu, nodes)
+        if problem is None:
+            break
+        if time.monotonic() >= deadline:
+            raise ConfigError(problem)
+        time.sleep(1.0)
+    chosen = choose_layout(cfg, [int(n.get("CPU", 0)) for n in nodes])
+    total_cpus = sum(int(n.get("CPU", 0)) for n in nodes)
+    if chosen.loader == "ray" and total_cpus - chosen.workers * chosen.cpus_per_worker < 1:
+        raise ConfigError(
+            "--loader ray decodes images in Ray Data tasks, which need CPUs beside the training workers', "
+            f"but the workers take all {total_cpus}; lower --workers or --cpus-per-worker, add CPUs, or use --loader torch"
+        )
+    if chosen != cfg:
+        node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
+        print(
+            f"layout: {cfg.max_workers or cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
+            f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
+            f"{'+'.join(map(str, node_cpus))} CPUs; --cpus-per-worker and --placement override",
+            file=sys.stderr,
+        )
+    return chosen
+
+
+def on_this_node() -> Any:
+    """Ray's placement for the driver's own actors (metrics sink, launch hub): the driver's node.
+    A 0-CPU actor may land on any node, and one on a worker node would die with it, taking an
+    elastic run that should have gone on with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
+    from ray.train import (
+        CheckpointConfig,
+        FailureConfig,
+        LoggingConfig,
+        RunConfig,
+        ScalingConfig,
+    )
+    from ray.train.torch import TorchConfig
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.gpu:
+        resources["GPU"] = 1
+    elastic = {"elastic_resize_monitor_interval_s": cfg.resize_check_s} if cfg.elastic else {}
+    scaling = ScalingConfig(
+        num_workers=(cfg.workers, cfg.max_workers) if cfg.elastic else cfg.workers,
+        use_gpu=cfg.gpu,
+        resources_per_worker=resources,
+        placement_strategy=cfg.placement.upper(),
+        **elastic,
+    )
+    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
+    # Node drains (preemption) have their own budget, without limit, and never use these up.
+    max_failures = cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
+    run = RunConfig(
+        name=cfg.name,
+        storage_path=cfg.storage_path,
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
+        failure_config=FailureConfig(max_failures=max_failures),
+        worker_runtime_env=worker_env(),
+        logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
+    )
+    return scaling, run, TorchConfig(backend=cfg.resolved_backend)
+
+
+ELASTIC_RETRIES = 3
+"""Lost workers an elastic run recovers from when --max-failures is left at 0."""
+
+
+PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
+"""Env-var prefixes the driver hands to every worker: Ray workers inherit the raylet's environment,
+not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
+
+
+def worker_env() -> dict[str, Any] | None:
+    """The workers' runtime_env: only when there is something to pass, because any runtime_env
+    keeps Ray from handing the workers its pre-started processes (seconds at startup). Ray sets
+    OMP_NUM_THREADS to each worker's CPUs by itself."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
+    return {"env_vars": env} if env else None

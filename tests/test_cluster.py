@@ -1,0 +1,152 @@
+"""Cluster plumbing: can this many workers be placed on these nodes, with how many CPUs each; and elastic runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_ddp.cluster import choose_layout, cpu_share, placement_problem
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.metrics import read_csv
+from raytrain_ddp.tools.head import joined_node, local_head
+
+
+def test_fits():
+    nodes = [{"CPU": 4, "GPU": 2}, {"CPU": 4, "GPU": 2}]
+    assert placement_problem(4, 1, True, nodes) is None
+    assert placement_problem(8, 1, False, nodes) is None
+    assert placement_problem(2, 4, False, nodes) is None
+
+
+def test_too_few_gpus_names_the_layout():
+    nodes = [{"CPU": 32, "GPU": 4}, {"CPU": 32, "GPU": 4}]
+    assert placement_problem(16, 1, True, nodes) == (
+        "asked for 16 GPUs, the cluster has 8: 2 nodes x 4 GPUs; lower --workers or add GPU nodes"
+    )
+
+
+def test_gpu_on_a_cpu_cluster():
+    problem = placement_problem(2, 1, True, [{"CPU": 8}])
+    assert problem.startswith("--gpu asks for 2 GPUs, but the cluster has none") and "drop --gpu" in problem
+
+
+def test_cpus_do_not_split_across_nodes():
+    # 3 CPUs on each of two nodes hold one 2-CPU worker each, not three.
+    problem = placement_problem(3, 2, False, [{"CPU": 3}, {"CPU": 3}])
+    assert problem.startswith("asked for 3 workers x 2 CPUs, the cluster fits 2: 2 nodes x 3 CPUs")
+
+
+def test_uneven_nodes():
+    problem = placement_problem(9, 1, False, [{"CPU": 4}, {"CPU": 2}])
+    assert "4 + 2 CPUs on 2 nodes" in problem
+
+
+def test_cpu_workers_share_the_cluster_evenly():
+    assert cpu_share(2, [2, 2]) == 2  # one worker per node, the whole node each
+    assert cpu_share(4, [2, 2]) == 1  # two per node
+    assert cpu_share(3, [2, 2]) == 1
+    assert cpu_share(2, [8]) == 4
+    assert cpu_share(2, [8, 2]) == 4  # both on the big node beats 2 CPUs each
+    assert cpu_share(3, [4, 4, 4]) == 4
+    assert cpu_share(16, [4, 4]) == 1  # does not fit at all: the preflight says so, not this
+
+
+def test_layout_on_cpu_spreads_and_shares_unless_told():
+    nodes = [2, 2]
+    chosen = choose_layout(TrainConfig(workers=2), nodes)
+    assert (chosen.cpus_per_worker, chosen.placement) == (2, "spread")
+    # An explicit choice wins; the other half is still filled in.
+    assert choose_layout(TrainConfig(workers=2, cpus_per_worker=1), nodes).cpus_per_worker == 1
+    assert choose_layout(TrainConfig(workers=2, cpus_per_worker=1), nodes).placement == "pack"
+    assert choose_layout(TrainConfig(workers=2, placement="pack"), nodes).cpus_per_worker == 2
+    # GPUs are packed one CPU each, as before; Ray Data's decode tasks need the CPUs --loader ray leaves.
+    gpu = choose_layout(TrainConfig(workers=2, gpu=True), nodes)
+    assert (gpu.cpus_per_worker, gpu.placement) == (1, "pack")
+    assert choose_layout(TrainConfig(workers=2, loader="ray"), nodes).cpus_per_worker == 1
+
+
+def elastic_run(tmp_path: Path, name: str, epochs: int, *args: str) -> list[str]:
+    """`raytrain run --workers 1:2` on 1-CPU workers, with epochs of a few seconds (a checkpoint
+    costs 1-2 s here: few of them)."""
+    return [sys.executable, "-m", "raytrain_ddp", "run", "--workers", "1:2", "--cpus-per-worker", "1",
+            "--epochs", str(epochs), "--train-samples", "4096", "--val-samples", "64", "--batch-size", "16",
+            "--data-workers", "0", "--progress", "plain", "--storage-path", str(tmp_path), "--name", name, *args]
+
+
+def read_until(driver: subprocess.Popen, prefix: str, output: list[str]) -> None:
+    for line in driver.stdout:
+        output.append(line)
+        if line.startswith(prefix):
+            return
+
+
+@pytest.mark.e2e
+def test_an_elastic_run_grows_when_a_node_joins(tmp_path):
+    """--workers 1:2 on a 1-CPU cluster starts with 1 worker; a node that joins mid-run grows it to 2,
+    from the latest checkpoint, and the run files say so."""
+    output: list[str] = []
+    with local_head(num_cpus=1) as head:
+        driver = subprocess.Popen(elastic_run(tmp_path, "elastic", 4, "--resize-check-s", "2", "--checkpoint-every-steps", "32"), env=head.env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            read_until(driver, "epoch 1/4  train loss", output)  # an epoch at 1 worker
+            with joined_node(head, num_cpus=1):
+                output += driver.stdout.readlines()
+                driver.wait(timeout=300)
+        finally:
+            driver.kill()
+    log = "".join(output)
+    assert driver.returncode == 0, log[-3000:]
+    rows = read_csv(tmp_path / "elastic" / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"], log[-3000:]
+    assert rows[0]["world_size"] == "1" and rows[-1]["world_size"] == "2", log[-3000:]
+    assert int(rows[-1]["resizes"]) == 1
+    summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
+    [resize] = summary["resizes"]
+    assert (resize["from"], resize["to"]) == (1, 2) and "room" in resize["why"], resize
+    assert "resized: 1 -> 2 workers" in log and summary["world_size"] == 2
+    assert "2 workers, global batch 32 (resized 1x)" in log  # the epoch line says the global batch changed
+
+
+NOT_THE_HEAD = (
+    "import ray; ray.init(); "
+    "print(*[n['NodeID'] for n in ray.nodes() if n['Alive'] and 'node:__internal_head__' not in n['Resources']])"
+)
+
+
+@pytest.mark.e2e
+def test_a_node_drain_is_answered_with_a_checkpoint_and_the_run_goes_on(tmp_path):
+    """Ray announces that a node will go (a spot reclaim; here `ray drain-node`): the ranks checkpoint
+    at once, and when it goes, the elastic run resumes on the other node from the latest checkpoint."""
+    output: list[str] = []
+    with local_head(num_cpus=1) as head, joined_node(head, num_cpus=1):
+        driver = subprocess.Popen(
+            elastic_run(tmp_path, "drained", 8, "--resize-check-s", "600", "--wait-for-resources", "30"),
+            env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        try:
+            read_until(driver, "epoch 1/8  train loss", output)  # training on both nodes
+            other = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
+                                   text=True, timeout=120, check=True).stdout.split()[-1]
+            subprocess.run(
+                [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", head.address, "--node-id",
+                 other, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+                 "--deadline-remaining-seconds", "5"],
+                env=head.env, capture_output=True, text=True, timeout=120, check=True,
+            )
+            output += driver.stdout.readlines()
+            driver.wait(timeout=300)
+        finally:
+            driver.kill()
+    log = "".join(output)
+    assert driver.returncode == 0, log[-3000:]
+    assert "Ray is draining a node of this run: checkpointed at epoch" in log, log[-3000:]
+    rows = read_csv(tmp_path / "drained" / "metrics.csv")
+    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 9)], log[-3000:]
+    assert rows[0]["world_size"] == "2" and rows[-1]["world_size"] == "1", log[-3000:]
+    [resize] = json.loads((tmp_path / "drained" / "summary.json").read_text())["resizes"]
+    assert (resize["from"], resize["to"]) == (2, 1), resize
