@@ -4,12 +4,16 @@ Read it top to bottom: [1] set up the rank, [2] data, [3] model and optimizer, [
 latest checkpoint, [5] epochs of train + validate + checkpoint. One optimizer step is `accum`
 micro-batches (forward_backward each, then apply_gradients). Metrics are all-reduced, so every
 number describes the whole world, not rank 0's shard.
+
+Exactness: the LR is a function of the samples trained so far (Schedule), not of steps at some world
+size; the data order and augmentation are functions of (seed, epoch, sample) (data.torch_ingest);
+checkpoints hold every stream of state that is left. So a resumed run trains what the uninterrupted
+run would have, bit for bit on CPU at the same world size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import resource
@@ -35,8 +39,15 @@ from raytrain_ddp.models import MODELS, model_builder
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""
 CONTROL_EVERY = 20
-"""Every this many steps the ranks agree, in one tiny all-reduce, whether to stop (preemption or a
-non-finite loss). A fixed step count, so every rank checks at the same step."""
+"""At most this many micro-batches between the ranks' agreements, in one tiny all-reduce, on whether
+to stop (a signal, a node drain, a non-finite loss). Counted in micro-batches, which every rank
+counts alike, so every rank agrees at the same one."""
+CONTROL_EVERY_S = 5.0
+"""... and at most about this many seconds: slow steps (a big model on CPU, --grad-accum 8) agree
+more often, so a stop lands well inside Slurm's USR1@120 grace."""
+FP16_BAD_LOSS_PATIENCE = 20
+"""Under fp16 a non-finite loss on a few micro-batches in a row can pass (the GradScaler skips those
+steps and backs off); this many in a row is a diverged run. fp32 and bf16 stop on the first."""
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
@@ -72,30 +83,33 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     accum = cfg.accum_steps(world_size)  # --global-batch-size holds at every world size
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg, accum))
     optimizer = make_optimizer(cfg, model)
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=math.ceil(loaders.steps_per_epoch / accum))
+    train_size = loaders.train_size
     amp_dtype = None
     if cuda and cfg.amp:
-        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # Only fp16 needs loss scaling; bf16 has fp32's exponent range.
+        # Emulated bf16 is slower than fp16 and no more accurate; fp16 needs loss scaling, bf16 has
+        # fp32's exponent range and does not.
+        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
-    torch.manual_seed(cfg.seed + rank)  # from here on each rank draws its own augmentation
+    bad_loss_patience = FP16_BAD_LOSS_PATIENCE if amp_dtype == torch.float16 else 1
+    torch.manual_seed(cfg.seed + rank)  # each rank's own stream from here (dropout; augmentation seeds per sample)
 
     # [4] Resume from the latest checkpoint: a restarted worker group (of any size), or a rerun of
     # the same --name. Positions are global, so the samples already trained are never trained again.
-    resume = restore(cfg, rank, world_size, device, model, optimizer, scheduler, scaler)
-    rows, resizes = resume.rows, resume.resizes
+    resume = restore(cfg, rank, world_size, device, model, optimizer, scaler, train_size)
+    schedule, rows, resizes = resume.schedule, resume.rows, resume.resizes
 
     def save(epoch: int, position: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
         """Every rank, at the same step: the world's state at global `position` of `epoch`."""
         world_sums = sums.clone()
         if dist.is_initialized():
             dist.all_reduce(world_sums)  # any world size can resume the epoch's running totals
-        shared = {}
+        shared, info = {}, None
         if rank == 0:
+            state = checkpoint.model_state(model)
             shared = {
-                "model": checkpoint.model_state(model),
+                "model": state,
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+                "schedule": schedule._asdict(),
                 "scaler": scaler.state_dict(),
                 "epoch": epoch,  # the epoch to continue with ...
                 "position": position,  # ... after this many of its samples, in its global order
@@ -105,10 +119,17 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 "resizes": resizes,
                 "rows": rows,
             }
-        checkpoint.save(metrics, rank, shared)
+            info = {
+                "config": cfg.to_dict(), "epoch": epoch, "position": position, "train_size": train_size,
+                "world_size": world_size, "in_channels": loaders.in_channels,
+                "model_shapes": checkpoint.shapes(state), "schedule": schedule._asdict(),
+            }
+        checkpoint.save(metrics, rank, shared, info)
 
     if rank == 0:
-        sink.start.remote(
+        # The sink knows whether this driver started a worker group before: a restart is recorded
+        # even when it found no checkpoint to resume from, and every later checkpoint carries it.
+        told = ray.get(sink.start.remote(
             world_size=world_size,
             backend=dist.get_backend() if dist.is_initialized() else "none",
             ranks=ranks,
@@ -118,7 +139,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             if resume.resumed
             else None,
             resizes=resizes,
-        )
+        ))
+        resizes = told if told is not None else resizes
         for row in rows:
             sink.epoch.remote(row)
 
@@ -135,11 +157,14 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         resumed_sums = resume.sums if start else torch.zeros(3, dtype=torch.float64, device=device)
         sums = resumed_sums.clone()
         train_time, data_wait = (resume.train_time if start else 0.0), 0.0
-        bad_step = torch.zeros((), dtype=torch.float64, device=device)
+        bad_step = torch.zeros((), dtype=torch.float64, device=device)  # the first step of a diverged run
+        bad_run = torch.zeros((), dtype=torch.float64, device=device)  # non-finite losses in a row
         tick = step_end = pass_start = time.perf_counter()
         last_update = 0.0  # the first step of each epoch is shown at once (and timestamped)
-        # `step` counts this pass's micro-batches; checkpoints and stops fall only where an optimizer
-        # step ends, so a resume never meets half-accumulated gradients.
+        # `step` counts this pass's micro-batches. The ranks agree at micro-batch `control` whether to
+        # stop or checkpoint; checkpoints and stops then fall where that optimizer step ends, so a
+        # resume never meets half-accumulated gradients.
+        control, stopping, drain_news = 1, False, False  # the first agreement also measures the pace
         for step, (inputs, labels) in enumerate(loaders.train, start=1):
             data_wait += time.perf_counter() - step_end
             inputs = inputs.to(device, non_blocking=True)
@@ -154,12 +179,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             loss, logits = forward_backward(
                 model, inputs, labels, amp_dtype, scaler, cfg.label_smoothing, weight=1 / group_size, sync=last
             )
+            position = trained_position(start, world_size, cfg.batch_size, step, train_size)
             if last:
-                apply_gradients(model, optimizer, scaler, scheduler, cfg.clip_grad_norm)
+                # The LR of a step is the schedule where the step ends, in samples: the same at any world size.
+                set_lr(optimizer, cfg.lr * lr_factor(schedule, (epoch - 1) * train_size + position, cfg.scheduler))
+                apply_gradients(model, optimizer, scaler, cfg.clip_grad_norm)
             n = torch.tensor(len(labels), device=device)
             sums += torch.stack([loss * n, (logits.argmax(1) == labels).sum(), n]).double()
-            first_bad = (bad_step == 0) & ~torch.isfinite(loss)
-            bad_step = torch.where(first_bad, torch.tensor(float(done + step), device=device), bad_step)
+            bad_run = torch.where(torch.isfinite(loss), 0.0, bad_run + 1)
+            diverged = (bad_step == 0) & (bad_run >= bad_loss_patience)
+            bad_step = torch.where(diverged, torch.tensor(float(done + step), device=device), bad_step)
 
             if rank == 0 and time.perf_counter() - last_update >= PROGRESS_EVERY_S:
                 last_update = time.perf_counter()
@@ -168,30 +197,33 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     epoch=epoch, step=done + step, loss=loss.item(), at=time.time(),
                     samples_per_s=rate / max(last_update - pass_start, 1e-9),
                 )
-            opt_step = math.ceil(step / accum)
-            due = last and cfg.checkpoint_every_steps > 0 and opt_step % cfg.checkpoint_every_steps == 0
-            if last and (opt_step % CONTROL_EVERY == 0 or due):
-                stop, draining = agree_to_stop(rank, sink, bad_step, epoch)
-                drain_news = draining and not drain_saved  # checkpoint once per drain, then train on
+            if step == control:
+                stop, draining, elapsed = agree_to_stop(rank, sink, bad_step, bad_loss_patience, epoch, pass_start)
+                stopping = stopping or stop
+                drain_news = drain_news or (draining and not drain_saved)  # checkpoint once per drain, then train on
                 drain_saved = drain_saved or draining
-                if due or stop or drain_news:
-                    train_time += time.perf_counter() - tick
-                    position = trained_position(start, world_size, cfg.batch_size, step, loaders.train_size)
-                    save(epoch, position, sums, train_time, {"epoch": epoch, "position": position})
-                    tick = time.perf_counter()
-                    if drain_news and rank == 0:
-                        sink.drain_saved.remote(epoch=epoch, position=position)
-                if stop:
+                pace = elapsed / step  # the slowest rank's seconds per micro-batch, the same number on every rank
+                control = step + max(1, min(CONTROL_EVERY, int(CONTROL_EVERY_S / max(pace, 1e-9))))
+            due = cfg.checkpoint_every_steps > 0 and math.ceil(step / accum) % cfg.checkpoint_every_steps == 0
+            if last and (due or stopping or drain_news):
+                train_time += time.perf_counter() - tick
+                save(epoch, position, sums, train_time, {"epoch": epoch, "position": position})
+                tick = time.perf_counter()
+                if drain_news and rank == 0:
+                    sink.drain_saved.remote(epoch=epoch, position=position)
+                drain_news = False
+                if stopping:
                     if rank == 0:
                         sink.stopped.remote(epoch=epoch, step=done + step)
                     return
             step_end = time.perf_counter()
         train_time += time.perf_counter() - tick
-        stop, _ = agree_to_stop(rank, sink, bad_step, epoch)
+        stop, _, _ = agree_to_stop(rank, sink, bad_step, bad_loss_patience, epoch, pass_start)
+        stop = stop or stopping  # asked for after the epoch's last agreement
         train = all_reduce_means(sums)
         val = evaluate(model, loaders.val, device, amp_dtype)
         resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device)
-        lr = optimizer.param_groups[0]["lr"]
+        lr = cfg.lr * lr_factor(schedule, epoch * train_size, cfg.scheduler)  # the epoch's last step's
         rows.append(epoch_row(epoch, train, val, lr, train_time, world_size, len(resizes), resources))
         rows[-1]["global_batch"] = cfg.batch_size * world_size * accum  # for the epoch line; not a CSV column
         if rank == 0:
@@ -203,12 +235,63 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             return
 
 
+class Schedule(NamedTuple):
+    """The LR schedule in samples trained, which do not depend on the world size. Warmup rises
+    linearly over the first `warmup` samples; the decay then runs from `anchor` (where it had gone
+    `anchor_progress` of its way) to `total`, the run's last sample. A rerun with another --epochs
+    moves `total` and re-anchors where the run stands, so the LR goes on from where it was."""
+
+    total: int
+    warmup: int
+    anchor: int
+    anchor_progress: float
+
+
+def new_schedule(cfg: TrainConfig, train_size: int) -> Schedule:
+    warmup = round(cfg.warmup_epochs * train_size)
+    return Schedule(total=cfg.epochs * train_size, warmup=warmup, anchor=warmup, anchor_progress=0.0)
+
+
+def decay_progress(schedule: Schedule, samples: int) -> float:
+    """How far the decay has gone after `samples`, from 0 to 1, clamped: no LR rises past the end."""
+    span = max(1, schedule.total - schedule.anchor)
+    progress = schedule.anchor_progress + (1 - schedule.anchor_progress) * (samples - schedule.anchor) / span
+    return min(1.0, max(0.0, progress))
+
+
+def lr_factor(schedule: Schedule, samples: int, kind: str) -> float:
+    """The share of --lr for the optimizer step that ends after `samples` samples of the run."""
+    if samples < schedule.warmup:
+        return samples / schedule.warmup
+    progress = decay_progress(schedule, samples)
+    if kind == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    if kind == "step":  # x0.1 once past half of the decay, again past three quarters
+        return 0.1 ** ((progress > 0.5) + (progress > 0.75))
+    return 1.0
+
+
+def stretched(schedule: Schedule, total: int, samples: int) -> Schedule:
+    """`schedule` with its end moved to `total` from `samples` on, without a jump in the LR."""
+    if total == schedule.total:
+        return schedule
+    if samples <= schedule.warmup:  # the decay has not begun: it simply ends elsewhere
+        return schedule._replace(total=total)
+    return Schedule(total, schedule.warmup, anchor=samples, anchor_progress=decay_progress(schedule, samples))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 class Resume(NamedTuple):
-    """Where training continues: the epoch and global position in it, the rows and resizes so far,
-    and the world's running totals (on rank 0) and train time for that epoch."""
+    """Where training continues: the epoch and global position in it, the LR schedule, the rows and
+    resizes so far, and the world's running totals (on rank 0) and train time for that epoch."""
 
     epoch: int
     position: int
+    schedule: Schedule
     rows: list[dict[str, Any]]
     resizes: list[dict[str, Any]]
     sums: torch.Tensor
@@ -216,12 +299,14 @@ class Resume(NamedTuple):
     resumed: bool
 
 
-def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, model, optimizer, scheduler, scaler) -> Resume:
-    """Load the latest checkpoint, if any, into the model, optimizer, schedule and scaler."""
+def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, model, optimizer, scaler, train_size: int) -> Resume:
+    """Load the latest checkpoint, if any, into the model, optimizer and scaler. The hyperparameters
+    a rerun may change (--lr, --momentum, --weight-decay, --epochs; the driver checked the rest) are
+    this run's, not the checkpoint's."""
     zeros = torch.zeros(3, dtype=torch.float64, device=device)
     restored = checkpoint.load(rank)
     if restored is None:
-        return Resume(1, 0, [], [], zeros, 0.0, resumed=False)
+        return Resume(1, 0, new_schedule(cfg, train_size), [], [], zeros, 0.0, resumed=False)
     state, own = restored
     try:
         getattr(model, "module", model).load_state_dict(state["model"])
@@ -230,9 +315,13 @@ def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, 
             f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
             f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
         ) from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])  # moments and momentum buffers ...
+    for group, ours in zip(optimizer.param_groups, hyper):
+        group.update(ours)  # ... under this run's hyperparameters
     scaler.load_state_dict(state["scaler"])
+    samples = (state["epoch"] - 1) * train_size + state["position"]
+    schedule = stretched(Schedule(**state["schedule"]), cfg.epochs * train_size, samples)
     if own is not None:  # a rank that did not exist before (the world grew) starts from its fresh seed
         checkpoint.set_rng_states(own["rng"])
     resizes = list(state["resizes"])
@@ -242,7 +331,7 @@ def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, 
             "at": time.time(),
         })
     sums = state["sums"].to(device) if rank == 0 else zeros  # the world's totals, counted once
-    return Resume(state["epoch"], state["position"], state["rows"], resizes, sums, state["train_time"], resumed=True)
+    return Resume(state["epoch"], state["position"], schedule, state["rows"], resizes, sums, state["train_time"], resumed=True)
 
 
 def epoch_row(
@@ -250,7 +339,7 @@ def epoch_row(
     world_size: int, resizes: int, resources: tuple,
 ) -> dict[str, Any]:
     """One row of metrics.csv: all-reduced (loss, accuracy, count) of train and val, and the epoch's costs."""
-    (train_loss, train_acc, train_n), (val_loss, val_acc, _) = train, val
+    (train_loss, train_acc, train_n), (val_loss, val_acc, val_n) = train, val
     rss_mib, gpu_mib, wait_frac, skipped = resources
     return {
         "epoch": epoch,
@@ -262,6 +351,7 @@ def epoch_row(
         "epoch_time_s": train_time,
         "throughput": train_n / train_time,
         "samples": int(train_n),
+        "val_samples": int(val_n),  # every val sample once, whatever the world size
         "world_size": world_size,  # at the epoch's end
         "backend": dist.get_backend() if dist.is_initialized() else "none",
         "gpu_mem_peak_mib": gpu_mib,
@@ -289,16 +379,14 @@ def forward_backward(
 
 
 def apply_gradients(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, scheduler: Any,
-    clip_grad_norm: float,
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, clip_grad_norm: float,
 ) -> None:
-    """The optimizer step that ends an accumulation: clip, step, and advance the LR schedule."""
+    """The optimizer step that ends an accumulation: clip, then step."""
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the loss-scaled ones
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
     scaler.update()
-    scheduler.step()
 
 
 def ddp_options(cfg: TrainConfig, accum: int) -> dict[str, Any]:
@@ -315,21 +403,26 @@ def ddp_options(cfg: TrainConfig, accum: int) -> dict[str, Any]:
     return options
 
 
-def agree_to_stop(rank: int, sink: Any, bad_step: torch.Tensor, epoch: int) -> tuple[bool, bool]:
-    """All ranks learn, at the same step, whether the driver asked to stop, and whether Ray says a
-    node of theirs is being drained (checkpoint now, train on); a NaN loss raises."""
+def agree_to_stop(
+    rank: int, sink: Any, bad_step: torch.Tensor, patience: int, epoch: int, pass_start: float,
+) -> tuple[bool, bool, float]:
+    """All ranks learn, at the same micro-batch, whether the driver asked to stop, whether Ray says a
+    node of theirs is being drained (checkpoint now, train on), and the slowest rank's seconds per
+    pass so far (to space the next agreement); a diverged loss raises."""
     # A barrier over the ranks, like the all-reduce below: every rank calls it at the same step.
     preempted = ray.train.get_preemption_info() is not None
     asked = rank == 0 and ray.get(sink.stop_requested.remote())
-    flags = torch.stack([torch.tensor(float(asked), device=bad_step.device), bad_step.double()])
+    elapsed = time.perf_counter() - pass_start
+    flags = torch.tensor([float(asked), bad_step.item(), elapsed], dtype=torch.float64, device=bad_step.device)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[1] > 0:
+        how = "non-finite" if patience == 1 else f"non-finite on {patience} micro-batches in a row"
         raise FloatingPointError(
-            f"loss became NaN or inf at epoch {epoch} step {int(flags[1])}; nothing was saved after "
+            f"loss became {how} at epoch {epoch} step {int(flags[1])}; nothing was saved after "
             "it, the last good checkpoint is kept: lower --lr, or try --no-amp"
         )
-    return bool(flags[0]), preempted
+    return bool(flags[0]), preempted, flags[2].item()
 
 
 def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device) -> tuple:
@@ -348,6 +441,13 @@ def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: in
 
 @torch.no_grad()
 def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
+    """(loss, accuracy, count) over every rank's val shard. The shards may differ in length, so no
+    collective may run per batch: this runs the module DDP wraps, whose forward broadcasts nothing,
+    after one broadcast of rank 0's buffers (BatchNorm's running stats, the ones a checkpoint keeps)."""
+    model = getattr(model, "module", model)
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for inputs, labels in loader:
@@ -387,26 +487,3 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_bias: b
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def lr_factor(step: int, schedule: str, epochs: int, steps_per_epoch: int, warmup_epochs: float) -> float:
-    """The share of --lr that optimizer step `step` (from 0) uses: linear warmup, then the schedule."""
-    warmup = round(warmup_epochs * steps_per_epoch)
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "cosine":
-        total = epochs * steps_per_epoch
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-    if schedule == "step":
-        milestones = {max(1, epochs // 2), max(1, epochs * 3 // 4)}
-        return 0.1 ** sum(step // steps_per_epoch >= m for m in milestones)
-    return 1.0
-
-
-def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> Any:
-    """The LR schedule, stepped once per optimizer step (apply_gradients)."""
-    factor = functools.partial(
-        lr_factor, schedule=cfg.scheduler, epochs=cfg.epochs, steps_per_epoch=steps_per_epoch,
-        warmup_epochs=cfg.warmup_epochs,
-    )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -25,6 +25,7 @@ CSV_COLUMNS = [
     "epoch_time_s",
     "throughput",
     "samples",
+    "val_samples",
     "world_size",
     "backend",
     "gpu_mem_peak_mib",

@@ -1,4 +1,4 @@
-"""The worker loop's step and schedule: accumulation, clipping, warmup and weight-decay groups.
+"""The worker loop's step and schedule: accumulation, clipping, the LR in samples, weight-decay groups.
 
 These call the loop's own functions on real torch models, with a real 2-process gloo group for DDP's
 gradient sync; no Ray, so they take seconds.
@@ -7,6 +7,7 @@ gradient sync; no Ray, so they take seconds.
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -19,12 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.loop import (
+    Schedule,
     apply_gradients,
     ddp_options,
     forward_backward,
     lr_factor,
     make_optimizer,
-    make_scheduler,
+    new_schedule,
+    set_lr,
+    stretched,
 )
 from raytrain_ddp.metrics import read_csv
 from raytrain_ddp.models import MODELS
@@ -46,12 +50,11 @@ def batches(steps: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def train(model, cfg: TrainConfig, data, micro: int) -> None:
     """Optimizer steps, each over one batch of `data` cut into `micro` micro-batches, as the loop does."""
     optimizer = make_optimizer(cfg, model)
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=len(data))
     for inputs, labels in data:
         optimizer.zero_grad(set_to_none=True)
         for i, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
             forward_backward(model, x, y, None, NO_SCALER, 0.0, weight=1 / micro, sync=i == micro - 1)
-        apply_gradients(model, optimizer, scaler=NO_SCALER, scheduler=scheduler, clip_grad_norm=cfg.clip_grad_norm)
+        apply_gradients(model, optimizer, scaler=NO_SCALER, clip_grad_norm=cfg.clip_grad_norm)
 
 
 CFG = TrainConfig(lr=0.1, momentum=0.9, weight_decay=1e-3, epochs=1, scheduler="none")
@@ -102,7 +105,7 @@ def test_clipping_bounds_the_gradient_norm():
     forward_backward(model, x * 1000, y, None, NO_SCALER, 0.0, weight=1.0, sync=True)  # a huge gradient
     raw = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     assert raw > 10
-    apply_gradients(model, optimizer, NO_SCALER, make_scheduler(cfg, optimizer, 1), cfg.clip_grad_norm)
+    apply_gradients(model, optimizer, NO_SCALER, cfg.clip_grad_norm)
     clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     assert clipped == pytest.approx(1.0, rel=1e-4)
     # Plain SGD moved every weight by lr x the clipped gradient: the update's norm is lr x 1.
@@ -112,30 +115,68 @@ def test_clipping_bounds_the_gradient_norm():
     assert moved == pytest.approx(cfg.lr, rel=1e-4)
 
 
-def test_warmup_then_cosine_per_optimizer_step():
-    """10 steps an epoch, 2 epochs, half an epoch of warmup: 5 steps up to --lr, then a cosine to 0."""
-    factor = lambda step: lr_factor(step, "cosine", epochs=2, steps_per_epoch=10, warmup_epochs=0.5)
-    assert [factor(s) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
-    assert factor(5) == pytest.approx(1.0)
-    assert factor(5 + 15 // 2) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 7 / 15)).item()))
-    assert factor(19) < 0.02
-    # The real scheduler, stepped as apply_gradients does, gives the optimizer these LRs.
-    cfg = TrainConfig(lr=0.4, epochs=2, warmup_epochs=0.5, scheduler="cosine")
+def step_ends(world_size: int, batch_size: int, train_size: int, epochs: int) -> list[int]:
+    """The samples trained when each optimizer step of a run ends, as the loop counts them."""
+    ends = []
+    for epoch in range(epochs):
+        ends += [epoch * train_size + min(train_size, k * world_size * batch_size)
+                 for k in range(1, -(-train_size // (world_size * batch_size)) + 1)]
+    return ends
+
+
+def test_warmup_then_cosine_in_samples():
+    """100 samples an epoch, 2 epochs, half an epoch of warmup: up to --lr at sample 50, then a cosine to 0."""
+    schedule = new_schedule(TrainConfig(epochs=2, warmup_epochs=0.5), train_size=100)
+    assert schedule == Schedule(total=200, warmup=50, anchor=50, anchor_progress=0.0)
+    factor = lambda samples: lr_factor(schedule, samples, "cosine")
+    assert [factor(s) for s in (10, 20, 40, 50)] == pytest.approx([0.2, 0.4, 0.8, 1.0])
+    assert factor(125) == pytest.approx(0.5)  # halfway through the decay
+    assert factor(200) == pytest.approx(0.0) and factor(260) == pytest.approx(0.0)  # clamped past the end
+    # set_lr gives the optimizer exactly that
+    cfg = TrainConfig(lr=0.4)
     optimizer = make_optimizer(cfg, mlp())
-    scheduler = make_scheduler(cfg, optimizer, steps_per_epoch=10)
-    seen = []
-    for _ in range(20):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    assert seen == pytest.approx([0.4 * factor(s) for s in range(20)])
+    set_lr(optimizer, cfg.lr * factor(125))
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.2] * len(optimizer.param_groups))
 
 
-def test_step_schedule_drops_at_half_and_three_quarters_of_the_epochs():
-    factor = lambda step: lr_factor(step, "step", epochs=4, steps_per_epoch=3, warmup_epochs=0)
-    assert [factor(s) for s in range(12)] == pytest.approx([1.0] * 6 + [0.1] * 3 + [0.01] * 3)
-    assert lr_factor(7, "none", epochs=4, steps_per_epoch=3, warmup_epochs=1) == 1.0
-    assert lr_factor(1, "none", epochs=4, steps_per_epoch=3, warmup_epochs=1) == pytest.approx(2 / 3)
+def test_the_lr_at_every_epoch_end_does_not_depend_on_the_world_size():
+    """The issue's run: cosine over 6 epochs, lr 0.05; 2 workers, then 1 after epoch 1 (or 4)."""
+    schedule = new_schedule(TrainConfig(epochs=6, warmup_epochs=1.0), train_size=1000)
+    for world_size in (1, 2, 4, 3):
+        ends = step_ends(world_size, batch_size=64, train_size=1000, epochs=6)
+        at_epoch_end = [lr_factor(schedule, s, "cosine") for s in ends if s % 1000 == 0]
+        assert at_epoch_end == pytest.approx([1.0, 0.5 * (1 + math.cos(math.pi / 5)), 0.5 * (1 + math.cos(2 * math.pi / 5)),
+                                             0.5 * (1 + math.cos(3 * math.pi / 5)), 0.5 * (1 + math.cos(4 * math.pi / 5)), 0.0])
+    # without warmup, epoch 2 of 6 ends at 0.0375 of lr 0.05, epoch 6 at 0, as the issue expects
+    plain = new_schedule(TrainConfig(epochs=6), train_size=1000)
+    assert 0.05 * lr_factor(plain, 2000, "cosine") == pytest.approx(0.0375)
+    assert 0.05 * lr_factor(plain, 6000, "cosine") == pytest.approx(0.0)
+    # LRs never rise again once decaying, whatever the world size (the old schedule's bug past the end)
+    for world_size in (1, 4):
+        lrs = [lr_factor(plain, s, "cosine") for s in step_ends(world_size, 64, 1000, 6)]
+        assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_more_epochs_on_resume_stretch_the_schedule_from_where_it_stands():
+    schedule = new_schedule(TrainConfig(epochs=4), train_size=100)
+    here = lr_factor(schedule, 200, "cosine")  # halfway: 0.5
+    longer = stretched(schedule, total=800, samples=200)
+    assert lr_factor(longer, 200, "cosine") == pytest.approx(here)  # no jump
+    assert lr_factor(longer, 500, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.75)))  # half the rest
+    assert lr_factor(longer, 800, "cosine") == pytest.approx(0.0)
+    assert stretched(schedule, total=400, samples=200) is schedule
+    # still warming up: the warmup is kept, the decay simply ends later
+    warm = new_schedule(TrainConfig(epochs=4, warmup_epochs=1.0), train_size=100)
+    assert stretched(warm, total=600, samples=50) == warm._replace(total=600)
+
+
+def test_step_schedule_drops_after_half_and_three_quarters_of_the_run():
+    schedule = new_schedule(TrainConfig(epochs=4), train_size=30)
+    ends = step_ends(1, 10, 30, 4)  # 3 steps an epoch
+    assert [lr_factor(schedule, s, "step") for s in ends] == pytest.approx([1.0] * 6 + [0.1] * 3 + [0.01] * 3)
+    warm = new_schedule(TrainConfig(epochs=4, warmup_epochs=1.0), train_size=30)
+    assert lr_factor(warm, 70, "none") == 1.0
+    assert lr_factor(warm, 20, "none") == pytest.approx(2 / 3)
 
 
 def test_norm_and_bias_parameters_get_no_weight_decay():

@@ -1,12 +1,21 @@
-"""--loader torch on a worker: every rank builds the same dataset and a DistributedSampler picks its shard."""
+"""--loader torch on a worker: every rank builds the same dataset and a DistributedSampler picks its shard.
+
+Exactness: the epoch's order depends only on (seed, epoch), and each training sample's random
+augmentation only on (seed, epoch, sample index), never on which rank or loader worker draws it or
+where the run resumed. So a resumed run, at any world size and with any --data-workers, trains on
+exactly the samples, and the augmented images, that the uninterrupted run would have.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Iterator
+import random
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.batches import Batches, Loaders, SkipCount
@@ -35,18 +44,57 @@ def trained_position(start: int, world_size: int, batch_size: int, batches: int,
     return min(n, start + world_size * batch_size * batches)
 
 
-class EpochSampler(Sampler[int]):
-    """This rank's epoch_shard, set before each epoch."""
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's random draws in one epoch: a function of nothing else."""
+    return ((seed * 1_000_003 + epoch) << 32) + index
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's, Python's and NumPy's global streams seeded for the block, and given back after it,
+    so the process's own streams (dropout, a loader worker's) do not move."""
+    python, legacy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(legacy)
+
+
+class PerSampleRandom(Dataset):
+    """A training set read by (epoch, index) keys: each sample's augmentation, the built-in crops and
+    flips or a user dataset's own random transforms, draws from sample_seed(seed, epoch, index)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with seeded(sample_seed(self.seed, epoch, index)):
+            return self.dataset[index]
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """This rank's epoch_shard, set before each epoch, as (epoch, index) keys for PerSampleRandom."""
 
     def __init__(self, n: int, world_size: int, rank: int, seed: int):
         self.n, self.world_size, self.rank, self.seed = n, world_size, rank, seed
+        self.epoch = 0
         self.indices: list[int] = []
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch = epoch
         self.indices = epoch_shard(self.n, self.world_size, self.rank, self.seed, epoch, start)
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.epoch, index) for index in self.indices)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -58,7 +106,8 @@ def torch_loaders(
     """This rank's train and val batches.
 
     Training shards are disjoint and of equal length on every rank (epoch_shard). Validation is
-    split with no padding, so each val sample counts exactly once in the all-reduced metrics.
+    split with no padding, so each val sample counts exactly once in the all-reduced metrics; a rank
+    may get fewer val batches than another, or none.
     """
     data = (build or dataset_builder(cfg.dataset))(cfg)
     sampler = EpochSampler(len(data.train), world_size, rank, cfg.seed)
@@ -68,8 +117,10 @@ def torch_loaders(
         pin_memory=cuda,  # pinned host memory only helps host-to-GPU copies
         persistent_workers=cfg.data_workers > 0,
     )
-    train = DataLoader(data.train, sampler=sampler, **common)
-    val = DataLoader(Subset(data.val, range(rank, len(data.val), world_size)), shuffle=False, **common)
+    # Its own generator: a DataLoader seeds its workers from the global torch stream otherwise, and
+    # a resumed run, which makes one more iterator, would then draw its dropout from another place.
+    train = DataLoader(PerSampleRandom(data.train, cfg.seed), sampler=sampler, generator=torch.Generator().manual_seed(cfg.seed), **common)
+    val = DataLoader(Subset(data.val, range(rank, len(data.val), world_size)), shuffle=False, generator=torch.Generator(), **common)
     skips = SkipCount()
 
     def set_epoch(epoch: int, start: int = 0) -> int:
