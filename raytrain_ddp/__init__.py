@@ -21,7 +21,9 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
 
     `model` and `dataset` replace cfg.model and cfg.dataset: a built-in name, an import path
     `PKG.MODULE:CALLABLE`, or the callable itself (see `raytrain run --help` for how each is called).
-    Bad input raises ConfigError; a failed run raises Ray's error.
+    Bad input raises ConfigError; a failed run raises Ray's error. Ctrl-C makes the ranks checkpoint at
+    their next agreed step and stop, then raises KeyboardInterrupt (a second Ctrl-C stops at once);
+    the same call resumes from the checkpoint.
     """
     from raytrain_ddp import driver
 

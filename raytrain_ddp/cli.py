@@ -107,7 +107,11 @@ def run(
     if dry_run:
         driver.dry_run(cfg)
         return
-    summary = driver.run(cfg)
+    try:
+        summary = driver.run(cfg)
+    except driver.Interrupted as err:  # typer would turn a KeyboardInterrupt into a silent exit 130
+        print(f"stopped: {err}", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "

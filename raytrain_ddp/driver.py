@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from raytrain_ddp.cluster import (
     check_writable,
@@ -32,8 +34,33 @@ POLL_S = 0.5
 """How often the driver asks rank 0's metrics sink for news."""
 
 
-def dry_run(cfg: TrainConfig) -> None:
+def check_request(cfg: TrainConfig, model: Any = None, dataset: Any = None, dry: bool = False) -> tuple[TrainConfig, Path, dict[str, Any]]:
+    """Every check that needs no Ray, in seconds, for a run and its --dry-run alike: --model (it
+    imports and builds an nn.Module), --dataset and its files, the trackers' packages, and a resume's
+    fit with its checkpoint (resume.py). Returns cfg with the Python API's model and dataset, the run
+    directory, and the callables to send by value."""
+    from raytrain_ddp import plugins, resume, tracking
+    from raytrain_ddp.data.registry import validate
+    from raytrain_ddp.models import model_builder
+
+    (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
+    cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
+    given = {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
+    if "model" not in given:
+        model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
+    if dry and cfg.download and "dataset" not in given:
+        print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
+    elif "dataset" not in given:
+        validate(cfg)
+    tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
+    for line in resume.check(cfg, run_dir, given.get("model")):
+        print(line, file=sys.stderr)
+    return cfg, run_dir, given
+
+
+def dry_run(cfg: TrainConfig) -> None:
+    cfg, run_dir, _ = check_request(cfg, dry=True)
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
@@ -45,24 +72,15 @@ def dry_run(cfg: TrainConfig) -> None:
 
 def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
-    (the Python API) override cfg's: a name, an import path, or a callable."""
-    from raytrain_ddp import plugins, tracking
-    from raytrain_ddp.data.ray_ingest import ray_datasets
-    from raytrain_ddp.data.registry import validate
-    from raytrain_ddp.models import model_builder
+    (the Python API) override cfg's: a name, an import path, or a callable. Ctrl-C checkpoints,
+    then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1 checkpoints, then raises Stopped."""
+    from raytrain_ddp import tracking
+    from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
     from raytrain_ddp.shipping import ship_code, user_code
     from raytrain_ddp.worker import train_entry
 
     started = time.time()
-    (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
-    cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
-    given = {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
-    if "model" not in given:
-        model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
-    if "dataset" not in given:
-        validate(cfg)
-    tracking.check_installed(cfg)
-    cfg, run_dir = resolve_run(cfg)
+    cfg, run_dir, given = check_request(cfg, model, dataset)
     if not cfg.resume:
         start_fresh(run_dir)
     check_writable(run_dir)
@@ -84,6 +102,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
         run_config=run_config,
         torch_config=torch_config,
         datasets=ray_datasets(cfg),
+        dataset_config=ray_data_config(cfg),
     )
     display = Display(cfg.progress, cfg.epochs)
     size = f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
@@ -97,28 +116,57 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     trackers = tracking.start(cfg, run_dir)
     watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers)
     watcher.start()
-    stop_on_signals(sink, display)
     summary = None
     try:
-        try:
-            trainer.fit()
-        finally:
-            watcher.stop()
-            display.close()
-        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started)
+        with stop_on_signals(cfg, sink, display) as interrupted:
+            try:
+                fit(trainer)
+            finally:
+                watcher.stop()
+                display.close()
+        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started, interrupted())
     finally:
         trackers.finish(run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
     return summary
 
 
-def finish_run(cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float) -> dict[str, Any]:
+def fit(trainer: Any) -> None:
+    """trainer.fit(), from a thread of its own when this is the main thread, which waits for it.
+
+    In the main thread, Ray Train V2's fit() installs its own SIGINT handler
+    (DataParallelTrainer._register_sigint_handler) after ours: the first Ctrl-C aborts the run at once,
+    with no checkpoint and no summary, and ours never runs. It leaves SIGINT alone in any other thread
+    (as under Ray Tune); then Ctrl-C reaches stop_on_signals' handler in the main thread, waiting here."""
+    if threading.current_thread() is not threading.main_thread():
+        trainer.fit()
+        return
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # re-raised in the main thread
+            failed.append(err)
+
+    thread = threading.Thread(target=target, name="raytrain-fit", daemon=True)  # a second Ctrl-C leaves it behind
+    thread.start()
+    while thread.is_alive():
+        thread.join(POLL_S)  # signal handlers run between waits; a second Ctrl-C raises out of here
+    if failed:
+        raise failed[0]
+
+
+def finish_run(
+    cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float, interrupted: bool = False
+) -> dict[str, Any]:
     """The run's summary.json, once fit() returned; or why the run did not finish."""
     if info.get("stopped_at"):
         epoch, step = info["stopped_at"]
-        raise Stopped(
-            f"stopped by a signal with a checkpoint at epoch {epoch} step {step}; run the same "
-            f"command again (same --storage-path and --name {cfg.name}) to resume"
+        message = (
+            f"stopped by {'Ctrl-C' if interrupted else 'a signal'} with a checkpoint at epoch {epoch} step {step}; "
+            f"{RESUME_HINT.format(cfg=cfg)}"
         )
+        raise Interrupted(message) if interrupted else Stopped(message)
     if len(rows) != cfg.epochs:
         raise RuntimeError(f"training ended after {len(rows)} of {cfg.epochs} epochs")
     summary = {
@@ -138,20 +186,34 @@ def finish_run(cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list
     return summary
 
 
+RESUME_HINT = "run the same command again (same --storage-path and --name {cfg.name}) to resume"
+
+
 def resize_reason(event: dict[str, Any]) -> str:
+    if event["to"] == event["from"]:
+        return "a worker group restarted after a failure"
     return "a worker or its node was lost" if event["to"] < event["from"] else "the cluster had room for more workers"
 
 
 def describe_resize(event: dict[str, Any]) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(event["at"]))
+    if event["to"] == event["from"]:
+        where = "the start" if (event["epoch"], event["position"]) == (1, 0) else (
+            f"epoch {event['epoch']} after {event['position']} samples")
+        return f"restarted: {event['to']} workers at {when}, from {where} ({resize_reason(event)})"
     return (
-        f"{event['from']} -> {event['to']} workers at {when}, epoch {event['epoch']} after {event['position']} "
+        f"resized: {event['from']} -> {event['to']} workers at {when}, epoch {event['epoch']} after {event['position']} "
         f"samples ({resize_reason(event)}); the epoch goes on from there, re-sharded"
     )
 
 
 class Stopped(Exception):
     """The run checkpointed and stopped early because the driver got SIGUSR1 or SIGTERM."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: the run checkpointed and stopped (the first), or stopped at once (a second). A
+    KeyboardInterrupt, as the Python API's callers expect of Ctrl-C."""
 
 
 def start_fresh(run_dir: Path) -> None:
@@ -162,15 +224,36 @@ def start_fresh(run_dir: Path) -> None:
         print(f"--no-resume: moved the previous run to {aside}")
 
 
-def stop_on_signals(sink: Any, display: Display) -> None:
-    """Slurm sends SIGUSR1 (--signal=B:USR1@grace) or SIGTERM before it kills a job."""
+@contextlib.contextmanager
+def stop_on_signals(cfg: TrainConfig, sink: Any, display: Display) -> Iterator[Callable[[], bool]]:
+    """While fit() runs, SIGUSR1 or SIGTERM (Slurm's --signal=B:USR1@grace, scancel, `raytrain stop`)
+    and the first Ctrl-C make the ranks checkpoint at their next agreed step and stop; a second
+    Ctrl-C stops at once. Yields whether a Ctrl-C asked (then exit 130, else 75). The handlers that
+    were there before come back after, for the Python API's callers."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield interrupted.is_set
+        return
 
     def handler(signum: int, _frame: Any) -> None:
-        display.print(f"got {signal.Signals(signum).name}: checkpointing at the next agreed step, then stopping")
+        if signum == signal.SIGINT:
+            if interrupted.is_set():
+                raise Interrupted(
+                    f"stopped at once by a second Ctrl-C, without a new checkpoint; {RESUME_HINT.format(cfg=cfg)} "
+                    "from the last one"
+                )
+            interrupted.set()
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = "; Ctrl-C again stops at once, without it" if signum == signal.SIGINT else ""
+        display.print(f"got {name}: checkpointing at the next agreed step, then stopping{again}")
         sink.request_stop.remote()
 
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield interrupted.is_set
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Watcher(threading.Thread):
@@ -191,13 +274,14 @@ class Watcher(threading.Thread):
         if rows != self.rows:
             write_csv(self.run_dir / "metrics.csv", rows)
             write_parquet(self.run_dir / "metrics.parquet", rows)
+            fresh = [row for row in rows if row not in self.rows]  # a redone epoch's row is fresh again
             if self.tensorboard is not None:
-                for row in rows[len(self.rows) :]:
+                for row in fresh:
                     for key, value in row.items():
                         if isinstance(value, (int, float)) and key != "epoch":
                             self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
                 self.tensorboard.flush()
-            self.trackers.log_rows(rows[len(self.rows) :])
+            self.trackers.log_rows(fresh)
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
             # Which pid on which host is which rank: for the user (and for tests that kill one).
             write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
@@ -208,7 +292,7 @@ class Watcher(threading.Thread):
             epoch, position = info["drain_saved"]
             self.display.print(f"Ray is draining a node of this run: checkpointed at epoch {epoch} after {position} samples")
         for event in info.get("resizes", [])[len(self.info.get("resizes", [])) :]:
-            self.display.print(f"resized: {describe_resize(event)}")
+            self.display.print(describe_resize(event))
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
 

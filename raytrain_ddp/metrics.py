@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,11 @@ CSV_COLUMNS = [
 ]
 
 
-@ray.remote(num_cpus=0)
-class MetricsSink:
-    """Holds what rank 0 last said, and whether the driver asks to stop.
+class Sink:
+    """Holds what rank 0 last said, and whether the driver asks to stop; MetricsSink is this as a
+    Ray actor on the driver's node.
 
-    Rank 0 calls it fire-and-forget, except for one `stop_requested` every CONTROL_EVERY steps.
+    Rank 0 calls it fire-and-forget, except for `start` and one `stop_requested` every so often.
     """
 
     def __init__(self) -> None:
@@ -49,8 +50,38 @@ class MetricsSink:
         self.last_step: dict[str, Any] | None = None
         self.rows: dict[int, dict[str, Any]] = {}
 
-    def start(self, **run: Any) -> None:
-        self.run.update(run)  # a restarted worker group keeps the first group's first_step_unix
+    def start(self, **run: Any) -> list[dict[str, Any]]:
+        """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
+        step, or None) and the resizes its checkpoint holds. Returns the run's resizes, which rank 0
+        adopts and saves in its checkpoints.
+
+        Only this actor sees every worker group of this driver: a restart that found no registered
+        checkpoint (a node lost while the first was being written) has nothing in its checkpoint to
+        say so, yet it is a restart. So every group after the first is one event here, from the
+        previous group's size to this one's; a resize the group found itself (its checkpoint's world
+        size differs) is that same event.
+        """
+        found = list(run.pop("resizes", None) or [])
+        previous = self.run.get("world_size")
+        # The epoch the group starts at: rows from there on were reported by a group that died before
+        # its checkpoint was registered; they will be redone and reported again.
+        epoch, position = (run.get("resumed_at") or [1, 0])[:2]
+        self.rows = {e: row for e, row in self.rows.items() if e < epoch}
+        self.last_step = None
+        if previous is None:
+            resizes = found
+        else:
+            # Every checkpoint of this driver's groups holds a list this actor returned; an event it
+            # has not seen is the group's own for this start, from its checkpoint's world size, which
+            # need not be the size of the group just before.
+            known = self.run.get("resizes", [])
+            seen = {event["at"] for event in known}
+            own = [event for event in found if event["at"] not in seen]
+            event = {**(own[-1] if own else {"at": time.time()}), "epoch": epoch, "position": position,
+                     "from": previous, "to": run["world_size"]}
+            resizes = [*known, event]
+        self.run.update(run, resizes=resizes)  # a restarted worker group keeps the first group's first_step_unix
+        return resizes
 
     def step(self, **update: Any) -> None:
         self.last_step = update
@@ -77,6 +108,9 @@ class MetricsSink:
 
     def poll(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
         return self.run, self.last_step, [self.rows[e] for e in sorted(self.rows)]
+
+
+MetricsSink = ray.remote(num_cpus=0)(Sink)
 
 
 def write_atomic(path: Path, text: str) -> None:

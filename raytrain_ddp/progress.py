@@ -31,9 +31,9 @@ class Display:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode, self.epochs = mode, epochs
-        self.shown_epochs = 0
+        self.shown: dict[int, dict[str, Any]] = {}  # the row last printed for each epoch
         self.last_plain = 0.0
-        self.bar = self.task = None
+        self.bar = self.task = self.task_epoch = None
         if mode == "rich":
             from rich.progress import (
                 BarColumn,
@@ -60,19 +60,27 @@ class Display:
             print(line, flush=True)
 
     def update(self, run: dict[str, Any], step: dict[str, Any] | None, rows: list[dict]) -> None:
-        for row in rows[self.shown_epochs :]:
+        # A row comes again unchanged after a resume (from the checkpoint), and anew for an epoch that
+        # a restarted worker group redid: print each row once, and a redone epoch's again.
+        for row in rows:
+            if self.shown.get(row["epoch"]) == row:
+                continue
             self.print(epoch_line(row, self.epochs))
+            self.shown[row["epoch"]] = row
             if self.task is not None:
                 self.bar.remove_task(self.task)
                 self.task = None
-        self.shown_epochs = max(self.shown_epochs, len(rows))
-        if step is None or step["epoch"] <= self.shown_epochs:
+        if step is None or step["epoch"] in {row["epoch"] for row in rows}:
             return
         total = run.get("steps_per_epoch")
         if self.bar is not None:
             fields = {"loss": f"{step['loss']:.4f}", "rate": f"{step['samples_per_s']:.0f}"}
+            if self.task is not None and self.task_epoch != step["epoch"]:
+                self.bar.remove_task(self.task)  # a restarted worker group went back to an earlier epoch
+                self.task = None
             if self.task is None:
                 self.task = self.bar.add_task(f"epoch {step['epoch']}/{self.epochs}", total=total, **fields)
+                self.task_epoch = step["epoch"]
             self.bar.update(self.task, completed=step["step"], **fields)
         elif self.mode == "plain" and time.monotonic() - self.last_plain >= PLAIN_EVERY_S:
             self.last_plain = time.monotonic()

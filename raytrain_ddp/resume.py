@@ -1,0 +1,234 @@
+"""Does the latest checkpoint of <storage-path>/<name> fit this request? Asked on the driver, in
+seconds, before any worker starts; and whether --model builds an nn.Module at all.
+
+Rank 0 writes RESUME_INFO into every checkpoint (checkpoint.py): the resolved config that saved it,
+where it stands, and the model's state-dict shapes. A change that alters what the saved position
+means is refused in one line; a safe one is applied, one line per key; the rest (how the run runs,
+not what it trains) goes through silently. No Ray here; torch only to build the model on the meta
+device, which allocates nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain_ddp import plugins
+from raytrain_ddp.config import ConfigError, TrainConfig
+
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""Ray Train V2's record, in the run directory, of the checkpoints it registered (fully written)."""
+RESUME_INFO = "resume.json"
+"""checkpoint.RESUME_INFO, named again here so the driver need not import checkpoint.py (ray.train, seconds)."""
+
+FRESH = "--no-resume to start fresh (the old run is moved aside) or a new --name"
+
+# Why refused: each decides which samples the saved position counts (dataset, its files, caps and
+# split, the seed of its order, the image size), or what the saved state is the state of (model,
+# classes, optimizer and its parameter groups, the schedule's shape). Resuming across a change would
+# train some samples twice and skip others, or load state into something it does not describe.
+REFUSED = (
+    "dataset", "data_dir", "seed", "train_samples", "val_samples", "val_fraction", "image_size", "num_classes",
+    "model", "optimizer", "decay_norm_bias", "loader", "scheduler", "warmup_epochs",
+)
+# The batch: samples per optimizer step set how far the schedule and the optimizer moved per sample.
+# Only --global-batch-size holds it fixed at any --batch-size (the accumulation follows); without it
+# a change to --batch-size or --grad-accum is refused (see batch_change).
+BATCH = ("batch_size", "grad_accum", "global_batch_size")
+# Why applied, and said: safe to change at any checkpoint, but they change what the rest of the run
+# does, so the user sees each one taken. The worker re-applies them after loading the saved state.
+APPLIED = (
+    "epochs", "lr", "weight_decay", "momentum", "clip_grad_norm", "label_smoothing", "max_failures", "workers",
+    "max_workers",
+)
+# Why silent: where and how the run runs, shows or saves itself; none changes what it trains.
+SILENT = (
+    "resize_check_s", "gpu", "cpus_per_worker", "placement", "address", "backend", "wait_for_resources",
+    "data_workers", "download", "skip_bad", "amp", "find_unused_parameters", "compile", "checkpoint_every_steps",
+    "keep_checkpoints", "resume", "storage_path", "name", "progress", "verbose", "tensorboard", "mlflow",
+    "mlflow_experiment", "wandb",
+)
+
+BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
+"""in_channels of the built-in datasets, as their readers (data.formats) decode them; parquet's is in
+its manifest."""
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+def workers(config: dict[str, Any]) -> str:
+    """--workers as typed: N, or MIN:MAX for an elastic run."""
+    low, high = config.get("workers"), config.get("max_workers")
+    return str(low) if high is None else f"{low}:{high}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The directory of the latest checkpoint Ray registered, or None. Only a registered checkpoint
+    counts: a directory of one still being written when the run died is not resumed from."""
+    try:
+        snapshot = json.loads((run_dir / SNAPSHOT).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read {run_dir / SNAPSHOT} ({err}); pass {FRESH}") from None
+    latest = snapshot.get("latest_checkpoint_result") or {}
+    return run_dir / latest["checkpoint_dir_name"] if latest.get("checkpoint_dir_name") else None
+
+
+def read_info(checkpoint_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's RESUME_INFO, or None for one saved before checkpoints carried it."""
+    try:
+        return json.loads((checkpoint_dir / RESUME_INFO).read_text()) or None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read {checkpoint_dir / RESUME_INFO} ({err}); pass {FRESH}") from None
+
+
+def same(key: str, old: Any, new: Any) -> bool:
+    if key == "data_dir" and old is not None and new is not None:
+        # the same directory written another way (relative here, absolute there)
+        return old == new or os.path.abspath(os.path.expanduser(old)) == os.path.abspath(os.path.expanduser(new))
+    return old == new
+
+
+def batch_change(old: dict[str, Any], new: TrainConfig) -> tuple[list[str], list[str]]:
+    """(refused, applied) changes to the batch."""
+    changed = [k for k in BATCH if k in old and not same(k, old[k], getattr(new, k))]
+    if not changed:
+        return [], []
+    described = [f"{flag(k)} {shown(old[k])} -> {shown(getattr(new, k))}" for k in changed]
+    if new.global_batch_size is None or "global_batch_size" in changed:
+        return described, []
+    return [], [f"resume: {d} applied: the global batch stays {new.global_batch_size}, the accumulation follows"
+                for d in described]
+
+
+def compare(saved: dict[str, Any], new: TrainConfig, run: str) -> list[str]:
+    """The lines to print for the changes from the checkpoint's config to `new`; a refused change
+    raises ConfigError, one line naming every refused key and how to start fresh."""
+    old = saved["config"]
+    refused = [
+        f"{flag(k)} {shown(old[k])} -> {shown(getattr(new, k))}"
+        for k in REFUSED if k in old and not same(k, old[k], getattr(new, k))
+    ]
+    batch_refused, lines = batch_change(old, new)
+    refused += batch_refused
+    if refused:
+        many = len(refused) > 1
+        raise ConfigError(
+            f"cannot resume run {run!r} with {', '.join(refused)}: its checkpoint's position and state mean "
+            f"something else under the new setting{'s' if many else ''}; go back to the old value{'s' if many else ''}, "
+            f"or pass {FRESH}"
+        )
+    epoch, position = saved["epoch"], saved["position"]
+    least = epoch if position else epoch - 1  # epochs trained, the one under way counting whole
+    if new.epochs < least:
+        where = f"epoch {epoch} after {position} samples" if position else f"the end of epoch {epoch - 1}"
+        raise ConfigError(
+            f"--epochs {new.epochs} ends before where run {run!r} stands ({where}); pass --epochs {least} "
+            f"or more, or {FRESH}"
+        )
+    for key in APPLIED:
+        if key not in old or same(key, old[key], getattr(new, key)):
+            continue
+        if key == "epochs":
+            lines.append(
+                f"resume: --epochs {old[key]} -> {new.epochs}: the LR schedule stretches from epoch {epoch} "
+                f"over the remaining epochs"
+            )
+        elif key in ("workers", "max_workers"):
+            line = f"resume: --workers {workers(old)} -> {workers(new.to_dict())} applied"
+            if line not in lines:
+                lines.append(line)
+        else:
+            lines.append(f"resume: {flag(key)} {shown(old[key])} -> {shown(getattr(new, key))} applied")
+    return lines
+
+
+def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run: str) -> None:
+    """Raise one line naming a state-dict key where `model` and the checkpoint's shapes differ."""
+    here = {key: list(value.shape) for key, value in model.state_dict().items()}
+    differ = [
+        f"{key} is {shapes[key]} there, {here[key]} here" for key in here if key in shapes and shapes[key] != here[key]
+    ]
+    differ += [f"{key} is only there" for key in shapes if key not in here]
+    differ += [f"{key} is only here" for key in here if key not in shapes]
+    if differ:
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ConfigError(
+            f"the checkpoint of run {run!r} does not fit --model {cfg.model} --num-classes {cfg.num_classes}: "
+            f"{differ[0]}{more}; pass {FRESH}"
+        )
+
+
+def build_on_meta(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels: int) -> Any:
+    """The model as the workers will build it, on the meta device: shapes, no memory, no init cost.
+    A builder that cannot run on meta (it loads weights, say) is built on the CPU instead."""
+    import torch
+
+    from raytrain_ddp.models import model_builder
+
+    build = model_builder(cfg.model, given)
+    try:
+        with torch.device("meta"):
+            return build(num_classes=cfg.num_classes, in_channels=in_channels)
+    except ConfigError:
+        raise  # not an nn.Module: models.model_builder's own line
+    except Exception:
+        pass
+    try:
+        return build(num_classes=cfg.num_classes, in_channels=in_channels)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"--model {cfg.model} failed to build with num_classes={cfg.num_classes}, in_channels={in_channels}: "
+            f"{type(err).__name__}: {err}"
+        ) from None
+
+
+def dataset_channels(cfg: TrainConfig) -> int | None:
+    """in_channels for a fresh run, where it costs nothing to know; None for the user's own dataset."""
+    if cfg.dataset in BUILT_IN_CHANNELS:
+        return BUILT_IN_CHANNELS[cfg.dataset]
+    if cfg.dataset == "parquet" and cfg.data_dir:
+        from raytrain_ddp.data.formats import read_manifest
+
+        return int(read_manifest(Path(cfg.data_dir).expanduser())["channels"])
+    return None
+
+
+def check(cfg: TrainConfig, run_dir: Path, given_model: Callable[..., Any] | None = None) -> list[str]:
+    """Every driver-side check of a (re)start: the lines to print, or ConfigError.
+
+    With cfg.resume and a registered checkpoint in run_dir: the config compared, and the model
+    checked against the checkpoint's shapes. A model of the user's is built (on meta) on every run,
+    fresh too, so one that returns no nn.Module is refused here and not by rank 0 after a start."""
+    run = cfg.name or run_dir.name
+    checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
+    saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
+    if saved is not None:
+        lines = compare(saved, cfg, run)
+        check_shapes(build_on_meta(cfg, given_model, saved["in_channels"]), saved["model_shapes"], cfg, run)
+        return lines
+    if given_model is not None or plugins.is_import_path(cfg.model):
+        build_on_meta(cfg, given_model, dataset_channels(cfg) or 3)  # only its type matters here
+    if checkpoint_dir is not None:
+        return [f"resume: {checkpoint_dir.name} predates {RESUME_INFO}; resuming without compatibility checks"]
+    return []
+
+
+def unclassified() -> set[str]:
+    """TrainConfig fields that none of REFUSED, BATCH, APPLIED and SILENT names: a new field must
+    be placed in one."""
+    return {f.name for f in fields(TrainConfig)} - set(REFUSED + BATCH + APPLIED + SILENT)
