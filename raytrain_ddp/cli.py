@@ -144,17 +144,22 @@ def launch_command(
         "0", "--show-ranks", help="Ranks whose output this terminal shows: 0, 0,3 or all. Every rank's goes to logs/rank-N.log."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what each rank would run and Ray's configs; start nothing."),
+    stop_grace_s: float = typer.Option(
+        30.0, "--stop-grace-s", help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
+    ),
     debug: bool = DEBUG,
 ) -> None:
     """Run a torchrun-style script on N Ray workers: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set.
 
-    Options go before the script; everything after it is the script's. Exit status: the first
-    failing rank's, 75 when a signal stopped every rank cleanly, else 0.
+    Options go before the script; everything after it is the script's. --workers MIN:MAX is elastic:
+    every rank restarts at the new size when a node is lost or room appears. Exit status: the first
+    failing rank's, 75 when SIGTERM stopped every rank cleanly, 130 after Ctrl-C, else 0.
     """
     from raytrain_ddp.launch import find_target
     from raytrain_ddp.launch import launch as run_script
 
-    raise typer.Exit(run_script(cfg, find_target(script, module, args or []), show_ranks, dry_run))
+    target = find_target(script, module, args or [])
+    raise typer.Exit(run_script(cfg, target, show_ranks, dry_run, stop_grace_s))
 
 
 submit.register(app, train_options, DEBUG)  # submit, status, logs, stop: Ray Jobs on a running cluster

@@ -10,6 +10,7 @@ own process group (a TorchTrainer would make one more, and a CUDA context per ra
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -29,15 +30,17 @@ from raytrain_ddp.cluster import (
     trainer_configs,
 )
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.errors import EXIT_STOPPED
+from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from raytrain_ddp.metrics import write_json
 from raytrain_ddp.shipping import ship_code
 
 POLL_S = 0.2
-"""How often the driver fetches the ranks' output lines."""
+"""How often the driver fetches the ranks' output lines and passes on a signal it got."""
+STOP_GRACE_S = 30.0
+"""Seconds a script has, after the forwarded signal, before SIGKILL (torchrun's agent waits 30 too)."""
 LAUNCH_FIELDS = (
     "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
-    "max_failures", "wait_for_resources", "verbose",
+    "max_failures", "wait_for_resources", "resize_check_s", "verbose",
 )
 """The TrainConfig fields `raytrain launch` takes: where and how many, never what to train."""
 
@@ -70,18 +73,24 @@ def find_target(name: str, module: bool, args: list[str]) -> Target:
         sys.path.insert(0, os.getcwd())  # as `python -m` does
         try:
             spec = importlib.util.find_spec(name)
+            package = spec is not None and spec.submodule_search_locations is not None
+            main = importlib.util.find_spec(f"{name}.__main__") if package else spec
         except (ImportError, ValueError) as err:
-            spec, reason = None, f" ({err})"
+            spec, main, package, reason = None, None, False, f" ({err})"
         else:
             reason = ""
-        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        if spec is None:
             raise ConfigError(
                 f"no module {name!r} to run with -m{reason}; run from the directory that holds it, "
                 "or add that directory to PYTHONPATH"
             )
-        file = Path(spec.origin).absolute()
-        depth = name.count(".") + (1 if file.name == "__main__.py" else 0)
-        return Target(name, True, tuple(args), file, file.parents[depth])
+        if main is None or main.origin is None or not main.origin.endswith(".py"):
+            raise ConfigError(f"-m {name}: {name} is a package without a __main__.py, so it cannot be run; "
+                              "add one, or name the module to run (-m PKG.MODULE)")
+        # The directory on sys.path that the top package was found in: what `python -m` needs on the ranks.
+        where = Path(next(iter(spec.submodule_search_locations))) if package else Path(spec.origin)
+        root = where.absolute().parents[name.count(".")]
+        return Target(name, True, tuple(args), Path(main.origin).absolute(), root)
     file = Path(name).expanduser().absolute()
     if not file.is_file():
         raise ConfigError(f"no script {name} (looked for {file}); give the path to your training script")
@@ -102,21 +111,21 @@ def parse_ranks(text: str, world_size: int) -> set[int]:
     return ranks
 
 
-def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = False) -> int:
-    """Run the target on cfg.workers ranks; return the exit status (0, the script's, or 75)."""
-    if cfg.elastic:
-        raise ConfigError(
-            f"raytrain launch runs a fixed number of ranks (a torchrun script keeps its own WORLD_SIZE); "
-            f"give --workers {cfg.workers}, or use raytrain run for --workers MIN:MAX"
-        )
-    shown = parse_ranks(show_ranks, cfg.workers)
+def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = False,
+           stop_grace_s: float = STOP_GRACE_S) -> int:
+    """Run the target on cfg.workers ranks (MIN:MAX: elastic); return the exit status: 0, the
+    script's, 75 after a SIGTERM that every rank answered cleanly, 130 after Ctrl-C."""
+    if stop_grace_s < 0:
+        raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
+    shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
     cfg, run_dir = resolve_run(cfg)
     if dry_run:
         scaling, run_config, _ = trainer_configs(choose_layout(cfg, []))
-        print(f"each of {cfg.workers} ranks runs: python {' '.join(target.argv(shared=True))}")
+        print(f"each of {size(cfg)} ranks runs: python {' '.join(target.argv(shared=True))}")
         print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
+    signals = Signals()  # from here on, a Ctrl-C or SIGTERM is ours: remembered, then forwarded
     check_writable(run_dir)
     connect(cfg)
     cfg = preflight(cfg)
@@ -132,8 +141,11 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
     say(f"ranks run in {where} ({placement.describe()})")
     ship_code(cfg, placement.runtime_env())
+    signals.install()  # again: ray.init put its own SIGTERM handler in
+    if signals.received:  # before any rank started: nothing to forward, nothing lost
+        return signals.before_start()
     scaling, run_config, _ = trainer_configs(cfg)
-    hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote(cfg.workers)
+    hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote()
     trainer = DataParallelTrainer(
         run_script,
         train_loop_config={
@@ -143,72 +155,163 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
             "probe": str(target.file.relative_to(target.root)),
             "max_restarts": cfg.max_failures,
             "run_id": cfg.name,
+            "stop_grace_s": stop_grace_s,
         },
         scaling_config=scaling,
         run_config=run_config,
     )
     backend = "GPU" if cfg.gpu else "CPU"
-    which = "all ranks" if len(shown) == cfg.workers else "rank " + ",".join(map(str, sorted(shown)))
-    say(f"{cfg.workers} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
+    which = "all ranks" if len(shown) == (cfg.max_workers or cfg.workers) else "rank " + ",".join(map(str, sorted(shown)))
+    say(f"{size(cfg)} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {run_dir / 'logs'}/rank-N.log")
     printer = Printer(hub, run_dir / "logs", shown)
-    printer.start()
-    forward_signals(hub)
-    error = None
+    # fit() in a thread of its own: Ray Train puts its own SIGINT handler (an abort of the whole run,
+    # unseen by the scripts) in only when fit() runs in the main thread, so ours stays in place.
+    fit = Fit(trainer)
+    signals.live = True
+    fit.start()
     try:
-        trainer.fit()
-    except Exception as err:  # judged below, from what the ranks said
-        error = err
+        while fit.is_alive():
+            printer.drain()
+            signals.forward(hub, stop_grace_s)
+            fit.join(POLL_S)
+        signals.forward(hub, stop_grace_s)
     finally:
-        printer.stop()
+        printer.close()
 
     import ray
 
     outcome = ray.get(hub.outcome.remote())
     write_summary(run_dir, cfg, target, outcome, started)
-    return judge(outcome, error)
+    return judge(outcome, fit.error, signals.received)
 
 
-def judge(outcome: dict[str, Any], error: BaseException | None) -> int:
-    """The exit status and the line that explains it: torchrun's, or raytrain's 75 after a stop."""
+def size(cfg: TrainConfig) -> str:
+    return f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
+
+
+class Fit(threading.Thread):
+    """trainer.fit(), off the main thread; its error, if any, for judge()."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(daemon=True)
+        self.trainer = trainer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.trainer.fit()
+        except BaseException as err:  # judged below, from what the ranks said
+            self.error = err
+
+
+class Signals:
+    """The driver's SIGINT, SIGTERM and SIGUSR1, as torchrun's agent takes them.
+
+    The handler only notes the signal; the main loop passes it to the hub and waits until the hub
+    has it, so no request can be lost inside a Ray call that the signal interrupted. SIGINT goes to
+    the scripts as SIGINT, SIGTERM and SIGUSR1 (Slurm's notice, scancel, a time limit) as SIGTERM;
+    each rank is signalled once, then SIGKILLed if it outlives --stop-grace-s. A second Ctrl-C kills
+    every rank at once.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        self.sent = 0
+        self.live = False
+        """Set once fit() runs: before that a Ctrl-C interrupts the driver as usual (no rank to stop)."""
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self.handler)
+
+    def handler(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and not self.live:
+            raise KeyboardInterrupt
+        self.received.append(signal.Signals(signum).name)
+
+    def before_start(self) -> int:
+        name = self.received[0]
+        say(f"got {name} before any rank started; nothing to stop")
+        return EXIT_INTERRUPTED if name == "SIGINT" else EXIT_STOPPED
+
+    def forward(self, hub: Any, grace_s: float) -> None:
+        import ray
+
+        while self.sent < len(self.received):
+            name = self.received[self.sent]
+            first = self.sent == 0
+            self.sent += 1
+            if first:
+                sent = "SIGINT" if name == "SIGINT" else "SIGTERM"
+                say(f"got {name}: sending {sent} to every rank's script; SIGKILL to any still running after "
+                    f"{grace_s:g} s (--stop-grace-s)" + ("; Ctrl-C again to kill them now" if name == "SIGINT" else ""))
+                ray.get(hub.request_stop.remote(name))
+            elif name == "SIGINT":
+                say("got SIGINT again: killing every rank's script now")
+                ray.get(hub.request_stop.remote(self.received[0], kill=True))
+
+
+def judge(outcome: dict[str, Any], error: BaseException | None, received: list[str]) -> int:
+    """The exit status and the line that explains it: torchrun's, 75 after a stop, 130 after Ctrl-C."""
     from raytrain_ddp.launch_agent import describe_exit, exit_status
 
     exits = outcome["exits"]
     first = outcome["failed_first"]
-    if outcome["stop_signal"]:
+    if received:
+        name = received[0]
         codes = {rank: e["code"] for rank, e in sorted(exits.items())}
         bad = {rank: code for rank, code in codes.items() if code != 0}
+        if name == "SIGINT":
+            killed = f"; rank {next(iter(bad))} exited with {describe_exit(next(iter(bad.values())))}" if bad else ""
+            say(f"interrupted: every rank's script got SIGINT{killed}")
+            return EXIT_INTERRUPTED
         if codes and not bad:
-            say(f"stopped: every rank's script exited 0 after {outcome['stop_signal']}; run the same "
+            say(f"stopped: every rank's script exited 0 after {name}; run the same "
                 "command again to resume from the script's own checkpoint")
             return EXIT_STOPPED
         if bad:
             rank, code = next(iter(bad.items()))
-            say(f"stopped by {outcome['stop_signal']}: rank {rank} exited with {describe_exit(code)}")
+            say(f"stopped by {name}: rank {rank} exited with {describe_exit(code)}")
             return exit_status(code)
     if first is not None:
         failed = exits[first]
+        root_cause(first, failed)
         say(
             f"error: rank {first} on {failed['hostname']} ({failed['ip']}) exited with "
             f"{describe_exit(failed['code'])}" + (f": {failed['last_line']}" if failed["last_line"] else "")
         )
-        return exit_status(failed["code"]) or 1
+        return exit_status(failed["code"]) or EXIT_FAILED
     if error is not None:
         raise error  # not the script: Ray itself failed (a lost node, no resources); cli says it in one line
     return 0
 
 
+def root_cause(rank: int, failed: dict[str, Any]) -> None:
+    """The traceback the script's torch `@record` left in its TORCHELASTIC_ERROR_FILE, as torchrun's
+    summary shows it."""
+    error = failed.get("error")
+    if error and error["traceback"]:
+        say(f"root cause: rank {rank} on {failed['hostname']} raised {error['message']}")
+        print(error["traceback"].rstrip("\n"), file=sys.stderr, flush=True)
+
+
 def write_summary(run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float) -> None:
+    from raytrain_ddp.launch_agent import exit_status
+
     peers = [p or {} for p in outcome["peers"]]
+    world_size = outcome["world_size"] or cfg.workers
+    codes = [outcome["exits"].get(r, {}).get("code") for r in range(world_size)]
     write_json(run_dir / "summary.json", {
         "name": cfg.name,
         "run_dir": str(run_dir),
         "command": ["python", *target.argv(shared=True)],
-        "world_size": cfg.workers,
+        "world_size": world_size,
         "attempts": outcome["attempts"],
         "nodes": [p.get("hostname") for p in peers],
         "node_ips": [p.get("ip") for p in peers],
-        "exit_codes": [outcome["exits"].get(r, {}).get("code") for r in range(cfg.workers)],
+        "exit_codes": [None if code is None else exit_status(code) for code in codes],  # as a shell shows them
         "stop_signal": outcome["stop_signal"],
         "wall_time_s": round(time.time() - started, 3),
         "config": {key: getattr(cfg, key) for key in LAUNCH_FIELDS},
@@ -220,58 +323,58 @@ def say(line: str) -> None:
     print(f"raytrain: {line}" if not line.startswith("error: ") else line, file=sys.stderr, flush=True)
 
 
-def forward_signals(hub: Any) -> None:
-    """SIGTERM and SIGUSR1 (Slurm's notice, scancel, a time limit) reach every script as SIGTERM."""
-
-    def handler(signum: int, _frame: Any) -> None:
-        name = signal.Signals(signum).name
-        say(f"got {name}: sending SIGTERM to every rank's script")
-        hub.request_stop.remote(name)
-
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, handler)
-
-
-class Printer(threading.Thread):
-    """Fetches the ranks' lines while fit() blocks: every line to logs/rank-N.log, the shown ranks'
-    lines to this terminal (stdout or stderr, as the script wrote them), marked `[rankN]:` as
-    torchrun's --tee marks them."""
+class Printer:
+    """The ranks' lines, fetched by the driver's main loop while fit() runs: every line to
+    logs/rank-N.log, the shown ranks' lines to this terminal (stdout or stderr, as the script wrote
+    them), marked `[rankN]:` as torchrun's --tee marks them."""
 
     def __init__(self, hub: Any, log_dir: Path, shown: set[int]):
-        super().__init__(daemon=True)
         self.hub, self.log_dir, self.shown = hub, log_dir, shown
         self.files: dict[int, TextIO] = {}
-        self.attempt = "1"
-        self.done = threading.Event()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def log(self, rank: int) -> TextIO:
         if rank not in self.files:
-            self.files[rank] = open(self.log_dir / f"rank-{rank}.log", "a", buffering=1)
+            self.files[rank] = open(self.log_dir / f"rank-{rank}.log", "a", buffering=1, newline="")
         return self.files[rank]
 
     def drain(self) -> None:
         import ray
 
         for rank, stream, text in ray.get(self.hub.take_lines.remote()):
-            if rank < 0:  # a new worker group: mark it in every log and on the terminal
-                self.attempt = text
-                for f in self.files.values():
-                    f.write(f"--- attempt {text} ---\n")
-                if text != "1":
-                    say(f"attempt {text}: the worker group restarted (--max-failures); the script runs again")
+            if rank < 0:
+                self.new_attempt(json.loads(text))
                 continue
             self.log(rank).write(text + "\n")
             if rank in self.shown:
-                print(f"[rank{rank}]: {text}", file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
+                print(mark(rank, text), file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 
-    def run(self) -> None:
-        while not self.done.wait(POLL_S):
-            self.drain()
+    def new_attempt(self, attempt: dict[str, Any]) -> None:
+        """A new worker group: marked in every log; on the terminal, why the last one ended."""
+        for f in self.files.values():
+            f.write(f"--- attempt {attempt['number']}, world size {attempt['world_size']} ---\n")
+        if attempt["number"] == 1:
+            return
+        failed = attempt["previous"]
+        if failed is not None:  # a script failed first: that is the cause, whatever came after
+            from raytrain_ddp.launch_agent import describe_exit
 
-    def stop(self) -> None:
-        self.done.set()
-        self.join()
+            root_cause(failed["rank"], failed)
+            say(f"attempt {attempt['number'] - 1}: rank {failed['rank']} on {failed['hostname']} exited with "
+                f"{describe_exit(failed['code'])}" + (f": {failed['last_line']}" if failed["last_line"] else ""))
+        elif attempt["resized"]:
+            say(f"attempt {attempt['number'] - 1}: every rank got SIGTERM because {attempt['resized']}")
+        say(f"attempt {attempt['number']}: the worker group restarted at world size {attempt['world_size']} "
+            "(TORCHELASTIC_RESTART_COUNT={}); the script runs again".format(attempt["number"] - 1))
+
+    def close(self) -> None:
         self.drain()  # the last lines may have landed after the previous poll
         for f in self.files.values():
             f.close()
+
+
+def mark(rank: int, text: str) -> str:
+    """`[rankN]: ` before each line and each in-place update (`\r`) of it, as torchrun's --tee does;
+    not twice where torch itself already put it (its C++ warnings carry `[rankN]:`)."""
+    prefix = f"[rank{rank}]:"
+    return "\r".join(part if part.startswith(prefix) else f"{prefix} {part}" for part in text.split("\r"))

@@ -7,84 +7,162 @@ install a SIGTERM handler, `sys.exit(3)` would not be an exit status, and the sc
 environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...) and a fresh MASTER_PORT that rank 0
 found free on its own node, so the script's env:// rendezvous works as under torchrun.
 
-The driver and the agents meet in one `LaunchHub` actor: the agents agree on the rendezvous there,
-send their output lines through it, and learn there that a peer failed or that the driver was
-signalled. This module stays light (no torch): the agents only watch a process.
+The driver and the agents meet in one `LaunchHub` actor, keyed by worker group: every (re)start of
+the group is a new attempt with its own rendezvous, so a restart never meets a dead attempt's peers.
+The agents send their output lines through the hub, and learn there, as soon as it happens, that
+the driver was signalled or that a peer failed. This module stays light (no torch).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import io
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from typing import Any
 
 import ray
 
 POLL_S = 0.2
-"""How often an agent sends its child's output on and asks whether to stop."""
-KILL_GRACE_S = 10.0
-"""After a peer failed: seconds between SIGTERM and SIGKILL to this rank's script."""
+"""How often an agent sends its child's output on."""
+WAIT_S = 5.0
+"""How long one call that waits for a stop may block in the hub before the agent asks again."""
+PEER_FAILED_GRACE_S = 10.0
+"""After a peer failed: seconds between SIGTERM and SIGKILL, so no rank waits out a collective."""
+NODE_CHECK_S = 1.0
+"""How often the hub asks Ray whether a node of the running attempt died or is being drained."""
+RAY_DEBUGGER = "ray.util.rpdb."
+"""Ray's debugger hooks, which Ray puts in every worker's (and driver's) PYTHONBREAKPOINT: under
+torchrun a script's breakpoint() is pdb's, not Ray's remote debugger."""
 PR_SET_PDEATHSIG = 1
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before any fork: see _die_with_parent
+SIG_SETMASK = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl, _signal, _sigmask = _libc.prctl, _libc.signal, _libc.pthread_sigmask  # loaded before any fork: see _as_torchrun_child
+_EMPTY_SIGSET = ctypes.create_string_buffer(128)  # a sigset_t with no signal in it
 
 
 @ray.remote(num_cpus=0)
 class LaunchHub:
-    """Where the ranks meet: the rendezvous, their output on its way to the driver, their exits.
+    """Where the ranks meet: each attempt's rendezvous, their output on its way to the driver, their exits.
 
-    An attempt is one worker group; `--max-failures` restarts make new ones. A rank's exit is
-    (code, hostname, last line); `aborted` marks a script its agent killed because a peer failed, so
-    the driver can name the rank that failed first.
+    An attempt is one worker group, named by a key its rank 0 drew: `--max-failures` restarts and
+    elastic resizes make new ones, numbered in the order they formed. A stop (the driver was
+    signalled) holds for every attempt, current and later; a peer's failure only for its own.
+    Async, so agents can wait here for a stop while others send their lines.
     """
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.attempt = 0
-        self.joined: dict[int, dict[str, Any]] = {}
+    def __init__(self) -> None:
+        self.attempts: dict[str, dict[str, Any]] = {}
+        self.last: str | None = None
         self.lines: list[tuple[int, str, str]] = []
-        self.exits: dict[int, dict[int, dict[str, Any]]] = {}
-        self.stop_signal: str | None = None
+        self.stop: dict[str, Any] | None = None
+        self.changed = asyncio.Event()
+        self.watching = False
 
-    def join(self, rank: int, info: dict[str, Any]) -> None:
-        if len(self.joined) == self.world_size:  # the previous group is gone: a restart
-            self.joined = {}
-        self.joined[rank] = info
-        if len(self.joined) == self.world_size:
-            self.attempt += 1
-            self.lines.append((-1, "attempt", str(self.attempt)))
+    def _attempt(self, key: str, world_size: int) -> dict[str, Any]:
+        if key not in self.attempts:
+            self.attempts[key] = {"number": len(self.attempts) + 1, "world_size": world_size, "peers": {},
+                                  "formed": asyncio.Event(), "exits": {}}
+        return self.attempts[key]
 
-    def group(self) -> dict[str, Any] | None:
-        if len(self.joined) < self.world_size:
-            return None
-        return {"attempt": self.attempt, "peers": [self.joined[r] for r in range(self.world_size)]}
+    async def join(self, key: str, rank: int, world_size: int, info: dict[str, Any]) -> dict[str, Any]:
+        """Wait for every rank of this attempt; return its number and its peers, by rank."""
+        if not self.watching:
+            self.watching = True
+            asyncio.get_running_loop().create_task(self._watch_nodes())
+        attempt = self._attempt(key, world_size)
+        attempt["peers"][rank] = info
+        if len(attempt["peers"]) == world_size:
+            before = self.last
+            self.last = key
+            failed = self.failed_first(before) if before else None
+            self.lines.append((-1, "attempt", json.dumps({
+                "number": attempt["number"], "world_size": world_size,
+                "previous": {"rank": failed, **self.attempts[before]["exits"][failed]} if failed is not None else None,
+                "resized": self.attempts[before].get("resize", {}).get("why") if before else None,
+            })))
+            attempt["formed"].set()
+        await attempt["formed"].wait()
+        return {"number": attempt["number"], "peers": [attempt["peers"][r] for r in range(world_size)]}
 
     def output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         self.lines.extend((rank, stream, text) for stream, text in lines)
 
-    def exited(self, attempt: int, rank: int, outcome: dict[str, Any]) -> None:
-        self.exits.setdefault(attempt, {})[rank] = outcome
+    def exited(self, key: str, rank: int, outcome: dict[str, Any]) -> None:
+        self.attempts[key]["exits"][rank] = outcome
+        self._wake()
 
-    def failed_first(self, attempt: int) -> int | None:
+    def failed_first(self, key: str) -> int | None:
         """The rank whose script failed first, by when it ended, not by when its agent said so: a
         rank that dies takes its peers down within milliseconds, and any of them may report first."""
-        failed = [(e["ended_at"], r) for r, e in self.exits.get(attempt, {}).items() if e["code"] and not e["aborted"]]
+        exits = self.attempts[key]["exits"] if key in self.attempts else {}
+        failed = [(e["ended_at"], r) for r, e in exits.items() if e["code"] and not e["aborted"]]
         return min(failed)[1] if failed else None
 
-    def abort_reason(self, attempt: int) -> tuple[str, str] | None:
-        """("stop", signal name) once the driver was signalled, ("peer", why) once a rank failed."""
-        if self.stop_signal is not None:
-            return "stop", self.stop_signal
-        first = self.failed_first(attempt)
-        return None if first is None else ("peer", f"rank {first} failed")
+    def _abort(self, key: str) -> dict[str, Any] | None:
+        if self.stop is not None:
+            return self.stop
+        if key in self.attempts and "resize" in self.attempts[key]:
+            return self.attempts[key]["resize"]
+        first = self.failed_first(key)
+        if first is not None:
+            return {"signal": "SIGTERM", "why": f"rank {first} failed", "peer": True, "kill": False}
+        return None
 
-    def request_stop(self, signal_name: str) -> None:
-        self.stop_signal = signal_name
+    async def wait_abort(self, key: str, timeout_s: float, known: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Why this attempt's scripts must stop, as soon as that differs from `known` (what the agent
+        already acted on: a second Ctrl-C turns a stop into a kill), or `known` after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while (reason := self._abort(key)) == known and (left := deadline - time.monotonic()) > 0:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return reason
+
+    async def _watch_nodes(self) -> None:
+        """A node of the running attempt that Ray drains (a spot reclaim, `ray drain-node`) or lost:
+        every rank gets SIGTERM, with the grace, before Ray Train restarts them at the new size, so
+        a script can snapshot first, as under torchrun's elastic agent."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(NODE_CHECK_S)
+            attempt = self.attempts.get(self.last) if self.last else None
+            if attempt is None or "resize" in attempt or len(attempt["exits"]) == attempt["world_size"]:
+                continue
+            try:
+                dead, draining = await loop.run_in_executor(None, _lost_and_draining_nodes)
+            except Exception:  # the GCS busy or restarting: ask again next time
+                continue
+            for peer in attempt["peers"].values():
+                gone = "lost" if peer["node_id"] in dead else "being drained" if peer["node_id"] in draining else None
+                if gone:
+                    attempt["resize"] = {"signal": "SIGTERM", "why": f"node {peer['hostname']} ({peer['ip']}) is {gone}",
+                                         "peer": False, "kill": False, "resize": True}
+                    self._wake()
+                    break
+
+    def request_stop(self, signal_name: str, kill: bool = False) -> None:
+        """The driver was signalled: SIGINT goes on as SIGINT, SIGTERM and SIGUSR1 as SIGTERM; `kill`
+        (a second Ctrl-C) is SIGKILL at once."""
+        forwarded = "SIGINT" if signal_name == "SIGINT" else "SIGTERM"
+        self.stop = {"signal": forwarded, "why": f"raytrain got {signal_name}", "peer": False, "kill": kill,
+                     "received": signal_name}
+        self._wake()
+
+    def _wake(self) -> None:
+        self.changed.set()
 
     def take_lines(self) -> list[tuple[int, str, str]]:
         lines, self.lines = self.lines, []
@@ -92,13 +170,21 @@ class LaunchHub:
 
     def outcome(self) -> dict[str, Any]:
         """The last attempt: each rank's exit, the first real failure, and whether a signal stopped it."""
+        last = self.attempts.get(self.last) if self.last else None
         return {
-            "attempts": self.attempt,
-            "exits": self.exits.get(self.attempt, {}),
-            "failed_first": self.failed_first(self.attempt),
-            "stop_signal": self.stop_signal,
-            "peers": [self.joined.get(r) for r in range(self.world_size)],
+            "attempts": len([a for a in self.attempts.values() if a["formed"].is_set()]),
+            "world_size": last["world_size"] if last else None,
+            "exits": last["exits"] if last else {},
+            "failed_first": self.failed_first(self.last) if self.last else None,
+            "stop_signal": self.stop["received"] if self.stop else None,
+            "peers": [last["peers"].get(r) for r in range(last["world_size"])] if last else [],
         }
+
+
+def _lost_and_draining_nodes() -> tuple[set[str], set[str]]:
+    """(dead node ids, ids of nodes Ray is draining), from the GCS; Ray Train asks the same way."""
+    dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+    return dead, set(ray._private.state.state.get_draining_nodes())
 
 
 def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_restarts: int, run_id: str) -> dict[str, str]:
@@ -106,7 +192,8 @@ def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_resta
 
     Ray numbers the nodes (node_rank) and the ranks on each node (local_rank). On GPUs each child
     sees all of its node's GPUs in local-rank order, so `torch.cuda.set_device(LOCAL_RANK)` picks its
-    own GPU and NCCL can still use peer-to-peer between the ranks of one node.
+    own GPU and NCCL can still use peer-to-peer between the ranks of one node. Without GPUs it sees
+    none, as torchrun's scripts see none under `--no-cuda` style launches.
     """
     me = peers[rank]
     local = sorted((p for p in peers if p["node_rank"] == me["node_rank"]), key=lambda p: p["local_rank"])
@@ -127,11 +214,21 @@ def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_resta
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": attempt - 1,
         "TORCHELASTIC_MAX_RESTARTS": max_restarts,
+        "CUDA_VISIBLE_DEVICES": ",".join(gpu for p in local for gpu in p["gpus"]),
     }
-    gpus = [gpu for p in local for gpu in p["gpus"]]
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return {k: str(v) for k, v in env.items()}
+
+
+def child_env(base: dict[str, str], torchrun: dict[str, str], error_file: str) -> dict[str, str]:
+    """The script's whole environment: the worker's, minus Ray's debugger hook, plus torchrun's."""
+    env = {k: v for k, v in base.items() if not (k == "PYTHONBREAKPOINT" and v.startswith(RAY_DEBUGGER))}
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun: a hung NCCL collective fails
+    return {
+        **env,
+        **torchrun,
+        "TORCHELASTIC_ERROR_FILE": error_file,  # where torch's @record writes the script's traceback
+        "PYTHONUNBUFFERED": "1",  # lines reach the terminal as they are printed, as they do under torchrun
+    }
 
 
 def free_port() -> int:
@@ -141,11 +238,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the agent's thread dies, so no script outlives its Ray worker."""
-    # Only a call through an already loaded pointer: between fork and exec, in a process full of
+def _as_torchrun_child() -> None:
+    """In the child, before exec: SIGKILL when the agent's thread dies, so no script outlives its Ray
+    worker; and the signals a script under torchrun can count on. A Ray worker ignores SIGINT and
+    its threads may block signals, and both would pass to the script through exec: Ctrl-C would
+    never reach it, nor a SIGTERM while it is blocked."""
+    # Only calls through already loaded pointers: between fork and exec, in a process full of
     # threads, loading a library could wait forever on a lock another thread held.
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _sigmask(SIG_SETMASK, _EMPTY_SIGSET, None)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        _signal(sig, 0)  # SIG_DFL: Python then installs its own KeyboardInterrupt handler
 
 
 def shipped_copy(relative: str) -> str:
@@ -157,62 +260,146 @@ def shipped_copy(relative: str) -> str:
     raise RuntimeError(f"the shipped copy of {relative} is not on this worker's PYTHONPATH ({sys.path[:3]} ...)")
 
 
+def read_error_file(path: str) -> dict[str, str] | None:
+    """What torch's @record wrote when the script raised: its message and traceback."""
+    try:
+        with open(path) as f:
+            data = json.load(f)["message"]
+        if isinstance(data, str):
+            return {"message": data, "traceback": ""}
+        return {"message": data["message"], "traceback": data.get("extraInfo", {}).get("py_callstack", "")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Stopper:
+    """Signals one script once, then SIGKILLs its process group if it is still there after the grace.
+
+    The agent learns of a stop from the hub the moment it is asked for (a waiting call, not a poll),
+    so every rank gets the signal within milliseconds of the others: a rank must not learn of the
+    stop from its peers' collectives first, exit 0, and then be signalled again while its
+    interpreter tears down (its handlers gone), which would kill a clean exit.
+    """
+
+    def __init__(self, child: subprocess.Popen, grace_s: float) -> None:
+        self.child, self.grace_s = child, grace_s
+        self.reason: dict[str, Any] | None = None
+        self.kill_at: float | None = None
+        self.lock = threading.Lock()
+
+    def stop(self, reason: dict[str, Any]) -> None:
+        with self.lock:
+            if self.child.poll() is not None:
+                return  # it ended on its own: nothing to stop, and no signal to kill a clean exit with
+            if reason["kill"]:
+                self.reason = self.reason or reason
+                self._kill()
+                return
+            if self.reason is not None:
+                return  # signalled once already
+            self.reason = reason
+            self.child.send_signal(getattr(signal, reason["signal"]))
+            grace = PEER_FAILED_GRACE_S if reason["peer"] else self.grace_s
+            self.kill_at = time.monotonic() + grace
+
+    def overdue(self) -> None:
+        with self.lock:
+            if self.kill_at is not None and time.monotonic() > self.kill_at:
+                self._kill()
+
+    def _kill(self) -> None:
+        self.kill_at = None
+        try:
+            os.killpg(self.child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def pump(stream: Any, name: str, pending: list[tuple[str, str]], last: dict[str, str], lock: threading.Lock) -> None:
+    """The child's lines, split on newlines only: a `\\r` progress update stays inside its line, as a
+    terminal would keep it on one line, not one line per update."""
+    for line in io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="\n"):
+        line = line.rstrip("\n").removesuffix("\r")
+        with lock:
+            pending.append((name, line))
+            shown = line.rsplit("\r", 1)[-1].strip()
+            if shown:
+                last[name] = shown
+
+
 def run_script(loop_config: dict[str, Any]) -> None:
     """The train function of `raytrain launch`: rendezvous, run the script, report how it ended."""
     import ray.train
+    import ray.train.collective
 
     hub, argv = loop_config["hub"], loop_config["argv"]
     cwd = loop_config["cwd"] or shipped_copy(loop_config["probe"])
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
 
-    # [1] Rendezvous: who runs where, and rank 0's free port.
-    ray.get(hub.join.remote(rank, {
+    # [1] Rendezvous, fresh for this worker group: rank 0 names the attempt and finds the port.
+    key = ray.train.collective.broadcast_from_rank_zero(uuid.uuid4().hex if rank == 0 else None)
+    group = ray.get(hub.join.remote(key, rank, world_size, {
         "rank": rank,
         "local_rank": ctx.get_local_rank(),
         "node_rank": ctx.get_node_rank(),
         "ip": ray.util.get_node_ip_address(),
         "hostname": socket.gethostname(),
+        "node_id": ray.get_runtime_context().get_node_id(),
         "gpus": [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])],
         "port": free_port() if rank == 0 else None,
     }))
-    while (group := ray.get(hub.group.remote())) is None:
-        time.sleep(POLL_S)
-    attempt = group["attempt"]
-    env = {
-        **os.environ,
-        **torchrun_env(rank, group["peers"], attempt, loop_config["max_restarts"], loop_config["run_id"]),
-        "PYTHONUNBUFFERED": "1",  # lines reach the terminal as they are printed, as they do under torchrun
-    }
+    attempt = group["number"]
+    error_dir = tempfile.mkdtemp(prefix=f"raytrain-{loop_config['run_id']}-attempt{attempt}-rank{rank}-")
+    error_file = os.path.join(error_dir, "error.json")
+    env = child_env(
+        dict(os.environ), torchrun_env(rank, group["peers"], attempt, loop_config["max_restarts"], loop_config["run_id"]),
+        error_file,
+    )
 
     # [2] The script, in its own session, so a stop reaches only it and a kill takes its children too.
+    stopped_early = ray.get(hub.wait_abort.remote(key, 0))
+    if stopped_early is not None:  # stopped before it started: nothing to signal, nothing lost
+        ray.get(hub.exited.remote(key, rank, {
+            "code": 0, "ended_at": time.time(), "hostname": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(), "last_line": "", "aborted": stopped_early["peer"],
+            "error": None, "started": False,
+        }))
+        shutil.rmtree(error_dir, ignore_errors=True)
+        return
     child = subprocess.Popen(
         [sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
-        preexec_fn=_die_with_parent, text=True, errors="replace", bufsize=1,
+        preexec_fn=_as_torchrun_child,
     )
     pending: list[tuple[str, str]] = []
     last = {"stdout": "", "stderr": ""}
     lock = threading.Lock()
     ended = threading.Event()
     ended_at: list[float] = []
-
-    def pump(stream: Any, name: str) -> None:
-        for line in stream:
-            line = line.rstrip("\n")
-            with lock:
-                pending.append((name, line))
-                if line.strip():
-                    last[name] = line.strip()
+    stopper = Stopper(child, loop_config["stop_grace_s"])
 
     def wait() -> None:
         child.wait()
         ended_at.append(time.time())  # when, exactly: the driver names the rank that failed first
         ended.set()
 
-    threads = [threading.Thread(target=pump, args=(child.stdout, "stdout"), daemon=True),
-               threading.Thread(target=pump, args=(child.stderr, "stderr"), daemon=True),
-               threading.Thread(target=wait, daemon=True)]
+    def listen() -> None:
+        """Wait in the hub for a reason to stop, and act on it at once."""
+        known = None
+        while not ended.is_set() and not (known and known["kill"]):
+            try:
+                reason = ray.get(hub.wait_abort.remote(key, WAIT_S, known))
+            except Exception:  # the hub is gone: the driver died, and Ray is about to end this worker
+                return
+            if reason is not None and reason != known:
+                stopper.stop(reason)
+                known = reason
+
+    threads = [threading.Thread(target=pump, args=(child.stdout, "stdout", pending, last, lock), daemon=True),
+               threading.Thread(target=pump, args=(child.stderr, "stderr", pending, last, lock), daemon=True),
+               threading.Thread(target=wait, daemon=True),
+               threading.Thread(target=listen, daemon=True)]
     for t in threads:
         t.start()
 
@@ -223,41 +410,35 @@ def run_script(loop_config: dict[str, Any]) -> None:
         if batch:
             hub.output.remote(rank, batch)
 
-    # [3] Watch it: pass its output on; stop it when the driver is signalled or a peer failed.
-    aborted, killed_at = None, None
+    # [3] Watch it: pass its output on; SIGKILL it if a stop's grace ran out.
     try:
         while not ended.wait(POLL_S):
             flush()
-            reason = ray.get(hub.abort_reason.remote(attempt))
-            if reason is not None and aborted is None:
-                aborted = reason
-                # A stop (Slurm's notice, scancel) is SIGTERM to the script, which may checkpoint as
-                # long as it likes; a failed peer leaves this rank waiting in a collective forever.
-                child.send_signal(signal.SIGTERM)
-                killed_at = time.monotonic() + KILL_GRACE_S if reason[0] == "peer" else None
-            if killed_at is not None and time.monotonic() > killed_at:
-                os.killpg(child.pid, signal.SIGKILL)
-                killed_at = None
+            stopper.overdue()
     finally:
         if not ended.is_set():  # the agent itself is being torn down
             os.killpg(child.pid, signal.SIGKILL)
             ended.wait()
-    for t in threads:
+    for t in threads[:2]:
         t.join(timeout=5)
     flush()
 
     # [4] Report. A failure of our own raises, so Ray Train restarts the group (--max-failures).
     code = child.returncode
-    peer_failed = aborted is not None and aborted[0] == "peer"
-    ray.get(hub.exited.remote(attempt, rank, {
+    aborted = stopper.reason
+    peer_failed = aborted is not None and aborted["peer"]
+    resized = aborted is not None and aborted.get("resize", False)
+    error = read_error_file(error_file)
+    shutil.rmtree(error_dir, ignore_errors=True)
+    ray.get(hub.exited.remote(key, rank, {
         "code": code, "ended_at": ended_at[0], "hostname": socket.gethostname(),
         "ip": ray.util.get_node_ip_address(), "last_line": last["stderr"] or last["stdout"],
-        "aborted": peer_failed,
+        "aborted": peer_failed or resized, "error": error, "started": True,
     }))
     if code != 0 and aborted is None:
         raise RuntimeError(f"rank {rank} exited with {describe_exit(code)}")
-    if peer_failed:
-        raise RuntimeError(f"rank {rank} stopped because {aborted[1]}")
+    if peer_failed or resized:  # Ray Train restarts the group, at the new size if a node went
+        raise RuntimeError(f"rank {rank} stopped because {aborted['why']}")
 
 
 def describe_exit(code: int) -> str:

@@ -15,9 +15,11 @@ import torch
 from conftest import REPO, raytrain
 from test_cli import assert_refused
 
-from raytrain_ddp.launch import parse_ranks
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.launch import find_target, parse_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
+SNAPSHOT_SCRIPT = REPO / "tests" / "scripts" / "snapshot_train.py"
 SAMPLES = 256
 
 
@@ -89,6 +91,114 @@ def test_sigterm_reaches_the_script_which_checkpoints(ray_head, tmp_path):
     assert torch.load(out / "model.pt")["stopped"] is True
 
 
+def events(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"rank-{rank}.jsonl").read_text().splitlines()]
+
+
+def start_launch(ray_head, tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp", "launch", "-w", "2", "--storage-path", str(tmp_path / "runs"),
+         "--name", "s", *args], env=ray_head.env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for_line(proc: subprocess.Popen, text: str) -> None:
+    for line in proc.stdout:
+        if text in line:
+            return
+    pytest.fail(f"never printed {text!r}: {proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.e2e
+def test_a_start_up_crash_restarts_with_a_fresh_rendezvous_and_its_root_cause_is_shown(ray_head, tmp_path):
+    """Rank 1's @record main raises before init_process_group on the first attempt; --max-failures 1
+    restarts both ranks, which meet at a new rendezvous and finish. One run also checks torchrun's
+    environment and output."""
+    out = tmp_path / "out"
+    proc = subprocess.run(  # bytes: text mode would turn the script's \r into \n on the way in
+        [sys.executable, "-m", "raytrain_ddp", "launch", "-w", "2", "--max-failures", "1", "--show-ranks", "all",
+         "--storage-path", str(tmp_path / "runs"), "--name", "r", str(SNAPSHOT_SCRIPT), "--snapshot",
+         str(tmp_path / "snap.pt"), "--out", str(out), "--epochs", "2", "--crash-rank", "1"],
+        env=ray_head.env, cwd=tmp_path, capture_output=True, timeout=600,
+    )
+    proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    starts = [[e for e in events(out, r) if e["event"] == "start"] for r in (0, 1)]
+    assert [[s["env"]["TORCHELASTIC_RESTART_COUNT"] for s in rank] for rank in starts] == [["0", "1"], ["0", "1"]]
+    second = [rank[1]["env"] for rank in starts]
+    assert second[0]["MASTER_PORT"] == second[1]["MASTER_PORT"]  # both ranks of attempt 2 met at one rendezvous
+    assert [e["epoch"] for e in events(out, 1) if e["event"] == "end"] == [2]
+    assert "raytrain: attempt 2: the worker group restarted at world size 2" in proc.stderr
+    # The root cause, from the TORCHELASTIC_ERROR_FILE that torch's @record wrote, as torchrun's summary shows it.
+    assert "raytrain: root cause: rank 1 on " in proc.stderr
+    assert '\n  File "' + str(SNAPSHOT_SCRIPT) + '", line' in proc.stderr  # the traceback itself, unprefixed
+    assert "ValueError: rank 1 crashes on start-up on purpose" in proc.stderr
+    summary = json.loads((tmp_path / "runs" / "r" / "summary.json").read_text())
+    assert summary["attempts"] == 2 and summary["exit_codes"] == [0, 0]
+
+    # torchrun's environment: no Ray debugger, no GPUs without --gpu, NCCL's async errors, an error file;
+    # Ctrl-C and SIGTERM reach the script: neither ignored nor blocked.
+    for start in (rank[0] for rank in starts):
+        env = start["env"]
+        assert env["PYTHONBREAKPOINT"] is None and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
+        assert start["sigint_default"] and start["blocked"] & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)) == 0
+    # A \r update stays on its line, with one rank mark per update.
+    assert "[rank0]: epoch 1 world size 2 loss " in proc.stdout and "\r[rank0]: (saved)\n" in proc.stdout
+    assert "\r(saved)\n" in (tmp_path / "runs" / "r" / "logs" / "rank-0.log").read_text()
+
+
+@pytest.mark.e2e
+def test_ctrl_c_reaches_every_rank_which_checkpoints_and_a_second_kills_at_once(ray_head, tmp_path):
+    """Ctrl-C: both ranks get SIGINT and agree to stop; rank 0 saves its snapshot and exits 0, while
+    rank 1 refuses to exit. The grace is long, so only the second Ctrl-C can end rank 1 quickly."""
+    out, snap = tmp_path / "out", tmp_path / "snap.pt"
+    driver = start_launch(ray_head, tmp_path, "--stop-grace-s", "120", str(SNAPSHOT_SCRIPT), "--snapshot", str(snap),
+                          "--out", str(out), "--epochs", "1000", "--epoch-s", "0.3", "--stubborn-rank", "1")
+    try:
+        wait_for_line(driver, "[rank0]: epoch 2 ")
+        driver.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while not all((out / f"rank-{r}.jsonl").exists() and events(out, r)[-1]["event"] == e
+                      for r, e in ((0, "end"), (1, "stubborn"))):
+            assert time.monotonic() < deadline and driver.poll() is None, driver.communicate()[1][-3000:]
+            time.sleep(0.2)
+        second = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        stdout, stderr = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, stderr[-3000:]
+    assert time.monotonic() - second < 45, stderr[-3000:]  # not the 120 s grace
+    assert stderr.count("got SIGINT: sending SIGINT to every rank's script") == 1
+    assert "got SIGINT again: killing every rank's script now" in stderr
+    [end] = [e for e in events(out, 0) if e["event"] == "end"]
+    assert end["stopped"] == "SIGINT" and torch.load(snap)["epoch"] == end["epoch"] >= 2
+    summary = json.loads((tmp_path / "runs" / "s" / "summary.json").read_text())
+    assert summary["exit_codes"] == [0, 137] and summary["stop_signal"] == "SIGINT"
+
+
+@pytest.mark.e2e
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(ray_head, tmp_path):
+    out = tmp_path / "out"
+    driver = start_launch(ray_head, tmp_path, "--stop-grace-s", "10", str(SNAPSHOT_SCRIPT), "--snapshot",
+                          str(tmp_path / "snap.pt"), "--out", str(out), "--epochs", "1000", "--epoch-s", "0.3",
+                          "--stubborn-rank", "1")
+    try:
+        wait_for_line(driver, "[rank0]: epoch 2 ")
+        driver.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        stdout, stderr = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 137, stderr[-3000:]  # rank 1's SIGKILL, as a shell shows it: no requeue
+    assert time.monotonic() - sent >= 10
+    assert "stopped by SIGTERM: rank 1 exited with signal SIGKILL" in stderr
+    assert [e["stopped"] for e in events(out, 0) if e["event"] == "end"] == ["SIGTERM"]
+    assert events(out, 1)[-1]["event"] == "stubborn"
+
+
 def test_missing_script_is_one_line(tmp_path):
     started = time.monotonic()
     proc = raytrain("launch", "-w", "2", "--address", "127.0.0.1:1", "trian.py", "--lr", "3", cwd=tmp_path)
@@ -115,3 +225,23 @@ def test_show_ranks():
         parse_ranks("4", 4)
     with pytest.raises(ValueError, match="must be all or rank numbers"):
         parse_ranks("first", 4)
+
+
+def test_modules_ship_the_directory_python_found_them_in(tmp_path, monkeypatch):
+    """`python -m` finds the top package in a sys.path directory: that directory is what the ranks
+    need, for `-m pkg` (its __main__.py), `-m pkg.__main__` and `-m pkg.sub.mod` alike."""
+    pkg = tmp_path / "launchpkg19"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "__main__.py", "sub/__init__.py", "sub/mod.py"):
+        (pkg / f).write_text("")
+    (tmp_path / "nomain19").mkdir()
+    (tmp_path / "nomain19" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name, file in [("launchpkg19", "__main__.py"), ("launchpkg19.__main__", "__main__.py"),
+                       ("launchpkg19.sub.mod", "sub/mod.py")]:
+        target = find_target(name, True, [])
+        assert (target.root, target.file) == (tmp_path, pkg / file), name
+        assert target.argv(shared=False) == ["-m", name]
+    with pytest.raises(ConfigError, match="package without a __main__.py"):
+        find_target("nomain19", True, [])

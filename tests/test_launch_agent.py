@@ -1,8 +1,23 @@
-"""torchrun's environment for each rank, from where Ray placed the ranks (a pure function)."""
+"""torchrun's environment for each rank, from where Ray placed the ranks; the script's output and
+its stop, on real child processes (no Ray)."""
 
 from __future__ import annotations
 
-from raytrain_ddp.launch_agent import exit_status, torchrun_env
+import io
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from raytrain_ddp.launch import mark
+from raytrain_ddp.launch_agent import (
+    Stopper,
+    child_env,
+    exit_status,
+    pump,
+    torchrun_env,
+)
 
 
 def peer(rank: int, node_rank: int, local_rank: int, gpus: list[str], ip: str, port: int | None = None) -> dict:
@@ -39,9 +54,65 @@ def test_cuda_local_rank_is_the_ranks_own_gpu():
 
 def test_cpu_ranks_get_no_cuda_devices():
     cpu = [peer(0, 0, 0, [], "10.0.0.1", 1234), peer(1, 0, 1, [], "10.0.0.1")]
-    assert "CUDA_VISIBLE_DEVICES" not in torchrun_env(1, cpu, 1, 0, "exp")
+    assert torchrun_env(1, cpu, 1, 0, "exp")["CUDA_VISIBLE_DEVICES"] == ""  # none, not every GPU of the node
+
+
+def test_child_env_is_torchruns_not_rays():
+    worker = {"PATH": "/bin", "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace", "RANK": "stale"}
+    env = child_env(worker, {"RANK": "1"}, "/tmp/e/error.json")
+    assert "PYTHONBREAKPOINT" not in env and env["RANK"] == "1" and env["PATH"] == "/bin"
+    assert env["TORCHELASTIC_ERROR_FILE"] == "/tmp/e/error.json" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    mine = child_env({"PYTHONBREAKPOINT": "ipdb.set_trace", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {}, "f")
+    assert mine["PYTHONBREAKPOINT"] == "ipdb.set_trace" and mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_carriage_returns_stay_inside_their_line():
+    pending, last = [], {"stdout": ""}
+    pump(io.BytesIO(b" 10%\r 50%\r100%\nnext\r\n"), "stdout", pending, last, threading.Lock())
+    assert pending == [("stdout", " 10%\r 50%\r100%"), ("stdout", "next")]
+    assert last["stdout"] == "next"
+    # Each in-place update keeps its rank mark on a terminal; torch's own [rank0]: is not doubled.
+    assert mark(0, " 10%\r100%") == "[rank0]:  10%\r[rank0]: 100%"
+    assert mark(0, "[rank0]:[W1123 c10d] warning") == "[rank0]:[W1123 c10d] warning"
 
 
 def test_exit_status_as_a_shell_reports_it():
     assert exit_status(3) == 3 and exit_status(0) == 0
     assert exit_status(-9) == 137 and exit_status(-15) == 143
+
+
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+
+
+def child(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    proc.stdout.readline()  # its handlers are in place
+    return proc
+
+
+def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace():
+    proc = child(STUBBORN)
+    stopper = Stopper(proc, grace_s=1.0)
+    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})
+    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})  # once only
+    started = time.monotonic()
+    while proc.poll() is None and time.monotonic() - started < 10:
+        stopper.overdue()
+        time.sleep(0.05)
+    assert proc.returncode == -signal.SIGKILL and time.monotonic() - started >= 0.9
+
+
+def test_a_kill_does_not_wait_for_the_grace():
+    proc = child(STUBBORN)
+    stopper = Stopper(proc, grace_s=60.0)
+    stopper.stop({"signal": "SIGINT", "peer": False, "kill": False})
+    stopper.stop({"signal": "SIGINT", "peer": False, "kill": True})  # a second Ctrl-C
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_a_rank_that_already_exited_is_not_signalled():
+    proc = child("print('ready', flush=True)")
+    proc.wait()
+    stopper = Stopper(proc, grace_s=1.0)
+    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})
+    assert stopper.reason is None and proc.returncode == 0
