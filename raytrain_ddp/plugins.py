@@ -7,9 +7,12 @@ shared filesystem, or from the copy shipping.py sent). No Ray here, and no torch
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -82,13 +85,56 @@ def source(spec: str) -> tuple[Path, Path]:
 def as_spec(obj: str | Callable[..., Any] | None, flag: str) -> tuple[str | None, Callable[..., Any] | None]:
     """For the Python API: (import path, callable to send by value).
 
-    A function of an importable module travels as its import path, so workers import it like any
-    --model; one defined in a notebook or `__main__` travels by value (Ray pickles it)."""
+    A function or class that its module's import path names travels as that path, so workers import
+    it like any --model. Anything else travels by value (Ray pickles it): one defined in a notebook
+    or `__main__`, a lambda, a `functools.partial`, a callable instance, a bound method. Its name
+    is then `__main__:<what it is>`, for the run's files only."""
     if obj is None or isinstance(obj, str):
         return obj, None
-    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
-    if module and module != "__main__" and "<locals>" not in name:
-        return f"{module}:{name}", None
     if not callable(obj):
         raise ConfigError(f"{flag} must be a name, an import path or a callable (got {type(obj).__name__})")
-    return f"{module}:{name}", obj
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and module != "__main__" and name and importable_as(obj, module, name):
+        return f"{module}:{name}", None
+    for user_module in own_modules(obj):
+        # Workers may not be able to import the user's module (not shared, not on their path), so
+        # what the callable refers to in it travels by value too.
+        import ray.cloudpickle
+
+        ray.cloudpickle.register_pickle_by_value(user_module)
+    return f"__main__:{label(obj)}", obj
+
+
+def own_modules(obj: Any) -> list[Any]:
+    """The user's modules (not installed packages, not the standard library) behind a callable: a
+    partial's function, a bound method's class, a callable instance's class."""
+    inner = obj.func if isinstance(obj, functools.partial) else obj
+    inner = getattr(inner, "__self__", None) or inner  # a bound method: its object
+    cls = inner if inspect.isclass(inner) or inspect.isfunction(inner) else type(inner)
+    module = sys.modules.get(getattr(cls, "__module__", "") or "")
+    file = getattr(module, "__file__", None)
+    if module is None or module.__name__ == "__main__" or file is None:
+        return []
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if any(Path(file).resolve().is_relative_to(Path(path).resolve()) for path in installed):
+        return []
+    return [module]
+
+
+def importable_as(obj: Any, module: str, name: str) -> bool:
+    """Whether importing `module` and following `name` gives back `obj` itself: true of a plain
+    function or class, false of a lambda, a nested function or a bound method."""
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)) or "<" in name:
+        return False
+    found: Any = sys.modules.get(module)
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    return found is obj
+
+
+def label(obj: Any) -> str:
+    """A readable name for a callable sent by value: mlp, partial(mlp), Builder.build, <lambda>."""
+    if isinstance(obj, functools.partial):
+        return f"partial({label(obj.func)})"
+    name = getattr(obj, "__qualname__", None) or f"{type(obj).__qualname__} instance"
+    return name.replace(".<locals>", "")

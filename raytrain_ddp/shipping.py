@@ -39,12 +39,24 @@ class Placement:
         """The runtime_env entries that bring the code to the workers ({} when shared)."""
         if self.shared:
             return {}
+        check_shippable(self.directory)
         return {"working_dir": str(self.directory), "excludes": SHIP_EXCLUDES}
 
     def describe(self) -> str:
         if self.shared:
             return "all on this machine" if self.nodes == 1 else f"a filesystem all {self.nodes} nodes share"
         return f"{self.lacking} of {self.nodes} nodes lack it; shipping {self.directory} with Ray's runtime_env"
+
+
+def check_shippable(directory: Path) -> None:
+    """A home directory or / would go to every node whole, dotfiles, keys and caches included."""
+    directory = directory.resolve()
+    if directory == Path.home().resolve() or directory == Path(directory.anchor):
+        which = "your home directory" if directory != Path(directory.anchor) else "the filesystem root"
+        raise ConfigError(
+            f"the code to ship is in {directory}, {which}, and the nodes lack it; shipping would upload all "
+            "of it to every node: move the script (or module) into a project directory of its own and run it there"
+        )
 
 
 def digest(path: Path) -> str | None:

@@ -96,3 +96,50 @@ def test_python_api_takes_a_callable_and_an_import_path(ray_head, user_dir):
     _, val_acc, model, dataset = proc.stdout.strip().splitlines()[-1].split()
     assert float(val_acc) > 0.5 and model == "__main__:mlp" and dataset == "user_code:vectors"
     assert (user_dir / "runs" / "api" / "metrics.csv").exists()
+
+
+USER_MODULE = """\
+class Builder:
+    def __init__(self, width):
+        self.width = width
+
+    def build(self, num_classes):
+        return ("built", self.width, num_classes)
+
+    def __call__(self, num_classes):
+        return self.build(num_classes)
+
+
+def build(num_classes, width=1):
+    return ("built", width, num_classes)
+"""
+
+
+def test_python_api_sends_partials_lambdas_instances_and_bound_methods_by_value(tmp_path, monkeypatch):
+    """Each travels by value, and is called on a worker that cannot import the user's module: a
+    fresh interpreter without the module's directory on its path stands in for that worker."""
+    import functools
+
+    import ray.cloudpickle
+
+    from raytrain_ddp.plugins import as_spec
+
+    (tmp_path / "api_models19.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import api_models19
+
+    builder = api_models19.Builder(7)
+    sent = {
+        "partial(build)": functools.partial(api_models19.build, width=7),
+        "<lambda>": lambda num_classes: api_models19.build(num_classes, 7),
+        "Builder instance": builder,
+        "Builder.build": builder.build,
+    }
+    for label, obj in sent.items():
+        spec, by_value = as_spec(obj, "model")
+        assert spec.startswith("__main__:") and spec.endswith(label) and by_value is obj, (label, spec)
+        blob = ray.cloudpickle.dumps(by_value)
+        worker = subprocess.run([sys.executable, "-c", "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read())(4))"],
+                                input=blob, capture_output=True, cwd="/", timeout=60)
+        assert worker.stdout.decode().strip() == "('built', 7, 4)", (label, worker.stderr.decode()[-2000:])
+    assert as_spec(api_models19.build, "model") == ("api_models19:build", None)  # importable: by name
