@@ -441,20 +441,22 @@ def test_launch_runs_a_torchrun_script_with_one_rank_per_node(lab: Lab) -> None:
     assert_cleaned_up(lab, job_id)
 
 
-def test_launch_ships_a_script_that_only_the_head_node_has(lab: Lab) -> None:
-    # The nodes' /tmp is private: a script copied there exists on n1 (where the command runs) and
-    # nowhere else, as on a cluster without a shared home. raytrain must ship its directory.
+def test_launch_ships_a_package_that_only_the_head_node_has(lab: Lab) -> None:
+    # The nodes' /tmp is private: a package copied there exists on n1 (where the command runs) and
+    # nowhere else, as on a cluster without a shared home. raytrain must ship the directory that
+    # holds the package (not the package itself), so `python -m trainpkg` works on every rank.
     out = lab.work / "shipped_out"
     script = REPO / "tests" / "scripts" / "torchrun_train.py"
     command = (
-        f'own=$(mktemp -d /tmp/own-XXXX) && cp {script} "$own"/ && cd "$own" && '
+        f'own=$(mktemp -d /tmp/own-XXXX) && mkdir "$own"/trainpkg && cp {script} "$own"/trainpkg/__main__.py && '
+        f'touch "$own"/trainpkg/__init__.py && cd "$own" && '
         f"raytrain launch --workers 2 --cpus-per-worker 2 --storage-path {lab.work / 'runs'} --name shipped "
-        f"torchrun_train.py --out {out} --epochs 1 --samples 128"
+        f"-m trainpkg --out {out} --epochs 1 --samples 128"
     )
     job_id = lab.submit("bash", "-c", command, sbatch_flags=("--nodes=2",))
     job = lab.wait(job_id, timeout=240)
     assert job.state == "COMPLETED", job.log
-    assert "1 of 2 nodes lack it; shipping /tmp/own-" in job.log, job.log
+    assert re.search(r"1 of 2 nodes lack it; shipping /tmp/own-\w+ with", job.log), job.log
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
     assert sorted(rank["hostname"] for rank in ranks) == NODES
     # Each rank ran in its own unpacked copy of the directory, not in the head's /tmp/own-*.
@@ -705,4 +707,33 @@ def test_fixed_size_run_that_loses_a_node_ends_the_job(lab: Lab) -> None:
     job = lab.wait(job_id, timeout=240)
     assert job.state != "COMPLETED", job.log
     assert "Ray on n2 died under a fixed-size run; stopping the command" in job.log, job.log
+    assert_cleaned_up(lab, job_id)
+
+
+def test_elastic_launch_loses_a_node_and_finishes_at_world_size_1(lab: Lab) -> None:
+    """`launch --workers 1:2` of a script that snapshots every epoch, as the PyTorch elastic tutorial
+    teaches: n2's Ray dies mid-run, every rank restarts at world size 1 with a higher
+    TORCHELASTIC_RESTART_COUNT, and the script goes on from its last snapshot to the end."""
+    out, snapshot = lab.work / "elastic_launch_out", lab.work / "elastic_launch.pt"
+    run_dir = lab.work / "runs" / "elastic-launch"
+    job_id = lab.submit("raytrain", "launch", "--workers", "1:2", "--cpus-per-worker", "2", "--resize-check-s", "5",
+                        "--storage-path", str(lab.work / "runs"), "--name", "elastic-launch",
+                        str(REPO / "tests" / "scripts" / "snapshot_train.py"), "--snapshot", str(snapshot),
+                        "--out", str(out), "--epochs", "25", "--epoch-s", "1", sbatch_flags=("--nodes=2",))
+    lab.wait_until(job_id, "epoch 3 at world size 2", lambda: "epoch 3 world size 2 " in lab.log(job_id), timeout=300)
+    assert kill_node_ray(job_id, "n2"), lab.log(job_id)
+    job = lab.wait(job_id, timeout=480)
+
+    assert job.state == "COMPLETED", job.log
+    assert "Ray on n2 died; the elastic run goes on without it" in job.log, job.log
+    assert re.search(r"attempt \d+: the worker group restarted at world size 1 ", job.log), job.log
+    events = [json.loads(line) for line in (out / "rank-0.jsonl").read_text().splitlines()]
+    starts = [int(e["env"]["TORCHELASTIC_RESTART_COUNT"]) for e in events if e["event"] == "start"]
+    assert starts == sorted(set(starts)) and starts[0] == 0 and len(starts) >= 2, events
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed[0] == {"event": "resumed", "epoch": 0, "world_size": 2}, events
+    assert resumed[-1]["world_size"] == 1 and resumed[-1]["epoch"] >= 3, events  # from the snapshot, not from 0
+    assert events[-1] == {"event": "end", "epoch": 25, "world_size": 1, "stopped": None}, events
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["exit_codes"] == [0] and summary["nodes"] == ["n1"], summary
     assert_cleaned_up(lab, job_id)
