@@ -95,13 +95,19 @@ def assert_refused(proc, *fragments, within_s=None, started=None):
         (["--dataset", "mnist", "--data-dir", "{tmp}/missing"], ["not found in {tmp}/missing", "--download"]),
         (["--dataset", "imagefolder", "--data-dir", "{tmp}"], ["{tmp} is empty", "<class>/<image>.jpg"]),
         (["--loader", "ray"], ["--loader ray reads Parquet shards", "raytrain data convert"]),
+        (["--model", "usermods:no_model"], ["--model usermods:no_model returned a dict, not a torch.nn.Module"]),
+        (["--model", "nonexist:fn", "--dry-run"], ["no module 'nonexist'"]),
+        (["--dataset", "mnist", "--data-dir", "{tmp}/missing", "--dry-run"], ["not found in {tmp}/missing"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, fragments, tmp_path):
     args = [a.format(tmp=tmp_path) for a in args]
     fragments = [f.format(tmp=tmp_path) for f in fragments]
+    code = tmp_path.with_name(tmp_path.name + "-code")  # beside tmp_path, which some cases need empty
+    code.mkdir()
+    (code / "usermods.py").write_text("def no_model(num_classes, in_channels):\n    return {}\n")
     started = time.monotonic()
-    proc = raytrain("run", *args, "--storage-path", str(tmp_path / "runs"), timeout=60)
+    proc = raytrain("run", *args, "--storage-path", str(tmp_path / "runs"), timeout=60, cwd=code)
     assert_refused(proc, *fragments, within_s=60, started=started)
 
 

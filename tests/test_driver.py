@@ -1,0 +1,174 @@
+"""The driver of `raytrain run`: Ctrl-C checkpoints and exits 130, then the same command resumes; a
+worker group restarted with no checkpoint to resume is still a recorded restart, and the epoch it
+redoes is shown again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY, raytrain
+
+from raytrain_ddp.driver import describe_resize, resize_reason
+from raytrain_ddp.metrics import Sink, read_csv
+from raytrain_ddp.progress import Display
+
+
+def row(epoch: int, loss: float) -> dict:
+    return {"epoch": epoch, "train_loss": loss, "train_acc": 0.5, "val_loss": loss, "val_acc": 0.5,
+            "throughput": 100.0, "epoch_time_s": 1.0, "world_size": 2, "resizes": 0}
+
+
+def test_a_restart_without_a_checkpoint_is_recorded_and_its_epoch_reported_again():
+    sink = Sink()
+    assert sink.start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=None, resizes=[]) == []
+    sink.epoch(row(1, 2.0))  # epoch 1 reported, then its checkpoint never registered: a node was lost
+    resizes = sink.start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=None, resizes=[])
+    [event] = resizes
+    assert (event["epoch"], event["position"], event["from"], event["to"]) == (1, 0, 2, 2)
+    assert sink.poll()[2] == []  # the redone epoch's row will come again
+    assert resize_reason(event) == "a worker group restarted after a failure"
+    assert describe_resize(event).startswith("restarted: 2 workers at ")
+
+    # The next group resumed from a checkpoint of the group before it, at another size, and found the
+    # resize itself (from its checkpoint's size): one event, from the size of the group just before.
+    own = {"epoch": 2, "position": 64, "from": 4, "to": 1, "at": time.time()}
+    resizes = sink.start(world_size=1, backend="gloo", ranks=[], steps_per_epoch=8, resumed_at=[2, 64, 2],
+                         resizes=[event, own])
+    assert [(e["from"], e["to"], e["epoch"], e["position"]) for e in resizes] == [(2, 2, 1, 0), (2, 1, 2, 64)]
+    assert resize_reason(resizes[-1]) == "a worker or its node was lost"
+
+
+def test_a_new_driver_keeps_the_resizes_its_checkpoint_holds():
+    held = [{"epoch": 1, "position": 0, "from": 2, "to": 2, "at": 1.0}]
+    assert Sink().start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=[2, 0, 0], resizes=held) == held
+
+
+def test_a_redone_epoch_is_shown_again_and_a_restored_one_is_not(capsys):
+    display = Display("plain", epochs=2)
+    display.update({}, None, [row(1, 2.0)])
+    display.update({}, None, [row(1, 2.0)])  # the same row again (a resume sends the checkpoint's rows)
+    display.update({}, None, [])  # a restart found no checkpoint: epoch 1 is redone ...
+    display.update({}, None, [row(1, 1.9)])  # ... and reported anew
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch 1/2")]
+    assert len(lines) == 2 and "train loss 2.0000" in lines[0] and "train loss 1.9000" in lines[1]
+
+
+# --- end to end ---
+
+RUN = ["--workers", "2", "--train-samples", "2048", "--val-samples", "256", "--batch-size", "32",
+       "--data-workers", "0", "--progress", "plain", "--epochs", "2"]
+"""2 ranks x 32 steps per epoch: long enough to be stopped mid-epoch."""
+
+
+def start(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "raytrain_ddp", "run", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> str:
+    """The driver's stdout up to the line that holds `text`."""
+    seen, deadline = "", time.monotonic() + timeout_s
+    while text not in seen:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, seen + proc.communicate()[1][-2000:]
+        seen += line
+    return seen
+
+
+@pytest.mark.e2e
+def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp_path):
+    args = [*RUN, "--storage-path", str(tmp_path), "--name", "c"]
+    run_dir = tmp_path / "c"
+    # Ctrl-C while epoch 1 trains (a terminal sends it to the foreground process, the driver).
+    proc = start(args, ray_head.env)
+    wait_for(run_dir / "workers.json", proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-2000:]
+    assert "got Ctrl-C: checkpointing at the next agreed step" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: stopped by Ctrl-C with a checkpoint at epoch 1 step "), err[-2000:]
+    assert "run the same command again (same --storage-path and --name c) to resume" in last
+    assert not (run_dir / "summary.json").exists()
+
+    # A second Ctrl-C stops at once, without waiting for the ranks (here, before they even started).
+    proc = start(args, ray_head.env)
+    seen = wait_for_line(proc, "run c: 2 gloo workers")
+    time.sleep(1.0)  # the driver is about to call fit(), with its handlers in place
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, seen + out + err[-2000:]
+    assert time.monotonic() - stopped < 30
+    assert err.strip().splitlines()[-1].startswith("stopped: stopped at once by a second Ctrl-C"), err[-2000:]
+
+    again = raytrain("run", *args, env=ray_head.env, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from the checkpoint at epoch 1" in again.stdout
+    rows = read_csv(run_dir / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert all(r["samples"] == "2048" for r in rows)  # every sample of each epoch once, the stopped one too
+    assert json.loads((run_dir / "summary.json").read_text())["final"]["epoch"] == 2
+
+
+DIES_AT_FIRST_SAVE = '''\
+import os
+import time
+from pathlib import Path
+
+from torch import nn
+
+from raytrain_ddp.models import convnet
+
+MARKER = Path(__file__).with_name("died-once")
+
+
+class Net(nn.Module):
+    """The convnet, whose process dies while the run's first checkpoint is being written."""
+
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.net = convnet(num_classes, in_channels)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def state_dict(self, *args, **kwargs):
+        try:
+            os.close(os.open(MARKER, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().state_dict(*args, **kwargs)
+        time.sleep(2)  # the epoch's row reaches the driver first
+        os._exit(1)
+'''
+
+
+@pytest.mark.e2e
+def test_a_restart_that_finds_no_checkpoint_is_recorded_and_its_epoch_shown_again(ray_head, tmp_path):
+    (tmp_path / "dies.py").write_text(DIES_AT_FIRST_SAVE)
+    proc = raytrain("run", *TINY, "--model", "dies:Net", "--max-failures", "1", "--storage-path", str(tmp_path),
+                    "--name", "d", env=ray_head.env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "died-once").exists()  # the first worker group did die at its first save
+    assert "restarted: 2 workers at " in proc.stdout and "from the start (a worker group restarted" in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1  train loss")]) == 2
+    [event] = json.loads((tmp_path / "d" / "summary.json").read_text())["resizes"]
+    assert (event["from"], event["to"], event["epoch"], event["position"]) == (2, 2, 1, 0)
+    assert event["why"] == "a worker group restarted after a failure"
+    assert [r["resizes"] for r in read_csv(tmp_path / "d" / "metrics.csv")] == ["1"]
