@@ -109,8 +109,8 @@ def run(
         return
     try:
         summary = driver.run(cfg)
-    except driver.Interrupted as err:  # typer would turn a KeyboardInterrupt into a silent exit 130
-        print(f"stopped: {err}", file=sys.stderr)
+    except KeyboardInterrupt as err:  # typer would make it a silent exit 130; driver.Interrupted says how to resume
+        print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     final = summary["final"]
     print(
