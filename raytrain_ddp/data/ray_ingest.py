@@ -166,20 +166,31 @@ def ray_data_config(cfg: TrainConfig) -> Any:
 
     Ray Train splits every dataset with streaming_split(equal=True), which drops up to world_size-1
     rows. That is right for training, where every rank must take the same number of steps, but
-    validation must count every sample once, so its split drops nothing.
+    validation must count every sample once, so its split drops nothing. equal=False hands out
+    whole blocks: the ranks get different numbers of val batches, or none (a small val set is one
+    block). That is safe only because evaluate runs no collective per batch: DDP's forward
+    broadcasts buffers, and a rank with no val batch would never join. Each rank also reads its
+    val split to the end every epoch, since a split's next epoch starts only when all ranks ask.
     """
     if cfg.loader != "ray":
         return None
     from ray.train import DataConfig
 
-    class EqualTrainExactVal(DataConfig):
+    class ExactValSplit(DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            others = {k: v for k, v in datasets.items() if k != "val"}
+            # Ray Train 2.60 calls this once per dataset name, as each is first asked for.
+            others = {name: ds for name, ds in datasets.items() if name != "val"}
             shards = super().configure(others, world_size, worker_handles, worker_node_ids, **kwargs)
             if "val" in datasets:
-                splits = datasets["val"].streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
-                for shard, val in zip(shards, splits):
-                    shard["val"] = val
+                # As DataConfig.configure does for each dataset, with equal=False.
+                val = datasets["val"]
+                if val.name is None:
+                    val.set_name("val")
+                val = val.copy(val)
+                val.context.execution_options = DataConfig.default_ingest_options()
+                splits = val.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
+                for shard, split in zip(shards, splits):
+                    shard["val"] = split
             return shards
 
-    return EqualTrainExactVal()
+    return ExactValSplit()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TINY, raytrain
 from sample_files import (
     CLASSES,
     assert_learned,
@@ -160,6 +162,30 @@ def test_e2e_parquet_through_ray_data_skipping_a_bad_row(tmp_path, ray_head):
                              "--loader", "ray", "--skip-bad")
     assert_learned(summary, rows)
     assert [int(row["skipped_samples"]) for row in rows] == [1, 1]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(540)
+def test_e2e_uneven_validation_finishes_and_counts_every_sample_once(tmp_path, ray_head):
+    """129 val rows in one Parquet file (one block), over 2 ranks: the exact split hands out whole
+    blocks, so one rank gets every val row and the other none. The run must finish (a collective in
+    the val batches, such as DDP's buffer broadcast, would wait forever for the rank with none) and
+    count each row exactly once."""
+    n_val = 129
+    write_numbered(tmp_path / "src", 64, n_val)
+    convert(tmp_path / "src", tmp_path / "pq", "imagefolder", progress=False)
+    assert len(json.loads((tmp_path / "pq" / "manifest.json").read_text())["splits"]["val"]["files"]) == 1
+    result = raytrain(
+        "run", *TINY, "--address", ray_head.address, "--dataset", "parquet", "--data-dir", str(tmp_path / "pq"),
+        "--loader", "ray", "--model", "convnet", "--image-size", "8", "--num-classes", str(CLASSES),
+        "--batch-size", "16", "--train-samples", "0", "--val-samples", "0",
+        "--storage-path", str(tmp_path / "runs"), "--name", "uneven",
+        env=ray_head.env, timeout=420,  # a hang fails here; Ray Data's first tasks start slowly
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "runs" / "uneven" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["val_samples"]) for row in rows] == [n_val]  # equal=True would drop one
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["ray-split-ids"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 from conftest import TINY, raytrain
@@ -129,6 +131,25 @@ def test_parquet_via_the_torch_path(tmp_path):
 
 
 # --- end to end: `raytrain run` with 2 workers on each format ---
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("n_val", [1, 129])
+def test_e2e_uneven_validation_finishes_and_counts_every_sample_once(tmp_path, ray_head, n_val):
+    """Over 2 ranks at batch 64, 1 val sample leaves rank 1 no val batch at all, and 129 give rank 0
+    two batches to rank 1's one. A collective that only some ranks reach (DDP's forward broadcasts
+    BatchNorm buffers) would leave the others waiting forever."""
+    result = raytrain(
+        "run", *TINY, "--address", ray_head.address, "--model", "convnet", "--train-samples", "64",
+        "--val-samples", str(n_val), "--batch-size", "64", "--image-size", "16",
+        "--storage-path", str(tmp_path / "runs"), "--name", "uneven",
+        env=ray_head.env, timeout=240,  # a hang fails here, in minutes
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "runs" / "uneven" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["val_samples"]) for row in rows] == [n_val]
+
 
 @pytest.mark.e2e
 def test_e2e_mnist_idx_files(tmp_path, ray_head):
