@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raytrain_ddp.cluster import (
+    ELASTIC_RETRIES,
     check_writable,
     choose_layout,
     connect,
@@ -153,7 +154,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
             "argv": target.argv(placement.shared),
             "cwd": str(Path.cwd()) if placement.shared else None,  # shipped: the copy Ray made
             "probe": str(target.file.relative_to(target.root)),
-            "max_restarts": cfg.max_failures,
+            "max_restarts": cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0),  # what Ray Train allows
             "run_id": cfg.name,
             "stop_grace_s": stop_grace_s,
         },

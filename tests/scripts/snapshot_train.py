@@ -95,11 +95,11 @@ def main():
             break
         time.sleep(args.epoch_s)
     stopped = stop or ("a peer's signal" if epoch < args.epochs else None)
+    dist.destroy_process_group()  # before any wait: rank 0's TCPStore would keep rank 0 alive for its clients
     if rank == args.stubborn_rank and stopped:
         note(args.out, rank, event="stubborn", epoch=epoch)
         while True:  # told to stop, it will not: only SIGKILL ends it
             time.sleep(1)
-    dist.destroy_process_group()
     note(args.out, rank, event="end", epoch=epoch, world_size=world_size, stopped=stopped)
     print(f"done at epoch {epoch}", file=sys.stderr, flush=True)
 
