@@ -25,6 +25,8 @@ BACKENDS = ("auto", "nccl", "gloo")
 PLACEMENTS = ("pack", "spread")
 LOADERS = ("torch", "ray")
 PROGRESS = ("auto", "rich", "plain", "none")
+STRATEGIES = ("ddp", "fsdp")
+SHARDINGS = ("full", "grad-op", "hybrid")
 
 
 class ConfigError(ValueError):
@@ -122,6 +124,14 @@ class TrainConfig:
     dimensions, as most recipes do)."""
     amp: bool = True
     """Mixed precision on GPU: bf16 where supported, else fp16 with a GradScaler. Ignored on CPU."""
+    strategy: str = "ddp"
+    """Data parallelism: ddp (every rank holds the whole model, gradients and optimizer state) or fsdp
+    (FSDP2: each rank holds a shard of them, gathered per block when needed; for models that do not
+    fit one device, or to free its memory)."""
+    sharding: str = "full"
+    """With --strategy fsdp: full (parameters, gradients and optimizer state sharded, as ZeRO-3),
+    grad-op (parameters kept whole from forward to backward, as ZeRO-2) or hybrid (sharded within a
+    node, replicated across nodes)."""
     find_unused_parameters: bool = False
     """Let DDP find parameters that get no gradient on a step (a model whose forward skips layers
     or branches); costs a graph walk per step. Built-in models never need it."""
@@ -212,11 +222,17 @@ class TrainConfig:
             ("placement", PLACEMENTS),
             ("progress", PROGRESS),
             ("loader", LOADERS),
+            ("strategy", STRATEGIES),
+            ("sharding", SHARDINGS),
         ):
             if getattr(self, key) not in choices and not (key == "placement" and self.placement is None):
                 raise ConfigError(
                     f"{_flag(key)} must be one of {', '.join(choices)} (got {getattr(self, key)!r})"
                 )
+        if self.sharding != "full" and self.strategy != "fsdp":
+            raise ConfigError(f"--sharding {self.sharding} needs --strategy fsdp; add it, or drop --sharding")
+        if self.find_unused_parameters and self.strategy == "fsdp":
+            raise ConfigError("--find-unused-parameters is DDP's; FSDP needs no search, drop it with --strategy fsdp")
         if self.backend == "nccl" and not self.gpu:
             raise ConfigError("--backend nccl needs --gpu; use --backend gloo (or auto) on CPU")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):

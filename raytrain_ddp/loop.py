@@ -13,7 +13,6 @@ run would have, bit for bit on CPU at the same world size.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import resource
@@ -27,14 +26,13 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp import checkpoint
+from raytrain_ddp import checkpoint, strategy
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.models import MODELS, model_builder
+from raytrain_ddp.models import model_builder
 
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""
@@ -81,7 +79,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         # forward (its buffer broadcast breaks the graph, and the step would silently run eager).
         model.compile()
     accum = cfg.accum_steps(world_size)  # --global-batch-size holds at every world size
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_options(cfg, accum))
+    # DDP (a whole replica per rank) or FSDP (a shard per rank): see strategy.py
+    model = strategy.wrap(cfg, model, accum, device, ctx.get_local_world_size())
     optimizer = make_optimizer(cfg, model)
     train_size = loaders.train_size
     amp_dtype = None
@@ -104,11 +103,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if dist.is_initialized():
             dist.all_reduce(world_sums)  # any world size can resume the epoch's running totals
         shared, info = {}, None
+        # DDP: rank 0 saves the whole model and optimizer state; FSDP: every rank its own shards
+        whole = strategy.full_state(model, optimizer)
+        shards = None if whole else strategy.sharded_state(model, optimizer)
         if rank == 0:
-            state = checkpoint.model_state(model)
             shared = {
-                "model": state,
-                "optimizer": optimizer.state_dict(),
+                **dict(zip(("model", "optimizer"), whole or ())),
                 "schedule": schedule._asdict(),
                 "scaler": scaler.state_dict(),
                 "epoch": epoch,  # the epoch to continue with ...
@@ -121,10 +121,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             }
             info = {
                 "config": cfg.to_dict(), "epoch": epoch, "position": position, "train_size": train_size,
-                "world_size": world_size, "in_channels": loaders.in_channels,
-                "model_shapes": checkpoint.shapes(state), "schedule": schedule._asdict(),
+                "world_size": world_size, "in_channels": loaders.in_channels, "strategy": cfg.strategy,
+                "model_shapes": checkpoint.shapes(whole[0] if whole else shards["model"]), "schedule": schedule._asdict(),
             }
-        checkpoint.save(metrics, rank, shared, info)
+        checkpoint.save(metrics, rank, shared, info, shards)
 
     if rank == 0:
         # The sink knows whether this driver started a worker group before: a restart is recorded
@@ -222,7 +222,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         stop = stop or stopping  # asked for after the epoch's last agreement
         train = all_reduce_means(sums)
         val = evaluate(model, loaders.val, device, amp_dtype)
-        resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device)
+        state_mib = strategy.state_mib(model, optimizer)
+        resources = epoch_resources(cuda, data_wait, train_time, loaders.skipped(), world_size, device, state_mib)
         lr = cfg.lr * lr_factor(schedule, epoch * train_size, cfg.scheduler)  # the epoch's last step's
         rows.append(epoch_row(epoch, train, val, lr, train_time, world_size, len(resizes), resources))
         rows[-1]["global_batch"] = cfg.batch_size * world_size * accum  # for the epoch line; not a CSV column
@@ -304,20 +305,21 @@ def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, 
     a rerun may change (--lr, --momentum, --weight-decay, --epochs; the driver checked the rest) are
     this run's, not the checkpoint's."""
     zeros = torch.zeros(3, dtype=torch.float64, device=device)
-    restored = checkpoint.load(rank)
-    if restored is None:
-        return Resume(1, 0, new_schedule(cfg, train_size), [], [], zeros, 0.0, resumed=False)
-    state, own = restored
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     try:
-        getattr(model, "module", model).load_state_dict(state["model"])
+        # A sharded (FSDP) checkpoint loads from its shards, at any world size, into either strategy
+        restored = checkpoint.load(rank, lambda shards: strategy.load_sharded(model, optimizer, shards))
+        if restored is not None and "model" in restored[0]:  # a DDP checkpoint: the whole state, in state.pt
+            strategy.load_full(model, optimizer, restored[0]["model"], restored[0]["optimizer"])
     except RuntimeError:
         raise ConfigError(
             f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
             f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
         ) from None
-    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])  # moments and momentum buffers ...
-    for group, ours in zip(optimizer.param_groups, hyper):
+    if restored is None:
+        return Resume(1, 0, new_schedule(cfg, train_size), [], [], zeros, 0.0, resumed=False)
+    state, own = restored
+    for group, ours in zip(optimizer.param_groups, hyper):  # moments and momentum buffers loaded ...
         group.update(ours)  # ... under this run's hyperparameters
     scaler.load_state_dict(state["scaler"])
     samples = (state["epoch"] - 1) * train_size + state["position"]
@@ -340,7 +342,7 @@ def epoch_row(
 ) -> dict[str, Any]:
     """One row of metrics.csv: all-reduced (loss, accuracy, count) of train and val, and the epoch's costs."""
     (train_loss, train_acc, train_n), (val_loss, val_acc, val_n) = train, val
-    rss_mib, gpu_mib, wait_frac, skipped = resources
+    rss_mib, gpu_mib, wait_frac, skipped, state_mib = resources
     return {
         "epoch": epoch,
         "train_loss": train_loss,
@@ -356,6 +358,7 @@ def epoch_row(
         "backend": dist.get_backend() if dist.is_initialized() else "none",
         "gpu_mem_peak_mib": gpu_mib,
         "cpu_rss_mib": rss_mib,
+        "model_state_mib": state_mib,
         "data_wait_frac": wait_frac,
         "skipped_samples": skipped,
         "resizes": resizes,  # world-size changes in the run so far
@@ -368,9 +371,8 @@ def forward_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch: forward, then backward of its loss x `weight` (1 / micro-batches in this
     optimizer step, so the summed gradient is the big batch's mean). Returns (loss, logits), detached."""
-    # in DDP, gradients are all-reduced only on the last micro-batch; the others add to .grad locally
-    quiet = model.no_sync() if not sync and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
-    with quiet:
+    # gradients are reduced over the ranks only on the last micro-batch; the others add to .grad locally
+    with strategy.gradient_sync(model, sync):
         with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
@@ -384,23 +386,9 @@ def apply_gradients(
     """The optimizer step that ends an accumulation: clip, then step."""
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the loss-scaled ones
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        strategy.clip_grad_norm(model, clip_grad_norm)  # the global norm, over sharded gradients too
     scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
     scaler.update()
-
-
-def ddp_options(cfg: TrainConfig, accum: int) -> dict[str, Any]:
-    """Gradients live in DDP's all-reduce buckets (no copy). Our own models use every parameter on
-    every step, so their graph is static and DDP may skip its per-step search for unused ones; a
-    user's model may skip a layer on some steps, so it gets DDP's safe defaults, or the search."""
-    options: dict[str, Any] = {"gradient_as_bucket_view": True}
-    if cfg.find_unused_parameters:
-        options["find_unused_parameters"] = True
-    elif cfg.model in MODELS and accum == 1:
-        # static_graph with no_sync() fails its first backward, or silently stops all-reducing
-        # gradients (pytorch/pytorch#187732): accumulation gets the default reducer.
-        options["static_graph"] = True
-    return options
 
 
 def agree_to_stop(
@@ -425,39 +413,42 @@ def agree_to_stop(
     return bool(flags[0]), preempted, flags[2].item()
 
 
-def epoch_resources(cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device) -> tuple:
-    """(peak RSS MiB, peak GPU MiB or None) as the max over ranks, the mean data-wait share, and
-    the unreadable samples skipped (--skip-bad) summed over ranks."""
+def epoch_resources(
+    cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device, state_mib: float,
+) -> tuple:
+    """(peak RSS MiB, peak GPU MiB or None) as the max over ranks, the mean data-wait share, the
+    unreadable samples skipped (--skip-bad) summed over ranks, and the largest rank's model state."""
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0
-    peaks = torch.tensor([rss_mib, gpu_mib], dtype=torch.float64, device=device)
+    peaks = torch.tensor([rss_mib, gpu_mib, state_mib], dtype=torch.float64, device=device)
     sums = torch.tensor([data_wait / max(train_time, 1e-9), skipped], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
     gpu = round(peaks[1].item(), 1) if cuda else None
-    return round(peaks[0].item(), 1), gpu, sums[0].item() / world_size, int(sums[1].item())
+    return round(peaks[0].item(), 1), gpu, sums[0].item() / world_size, int(sums[1].item()), round(peaks[2].item(), 1)
 
 
 @torch.no_grad()
 def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
     """(loss, accuracy, count) over every rank's val shard. The shards may differ in length, so no
-    collective may run per batch: this runs the module DDP wraps, whose forward broadcasts nothing,
-    after one broadcast of rank 0's buffers (BatchNorm's running stats, the ones a checkpoint keeps)."""
-    model = getattr(model, "module", model)
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-    model.eval()
+    collective may run per batch: this runs the whole model with no collective in its forward
+    (strategy.whole_model), after one broadcast of rank 0's buffers (BatchNorm's running stats, the
+    ones a checkpoint keeps)."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for inputs, labels in loader:
-        inputs = inputs.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        n = torch.tensor(len(labels), device=device)
-        sums += torch.stack([loss, (logits.argmax(1) == labels).sum(), n]).double()
+    with strategy.whole_model(model) as model:
+        if dist.is_initialized():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        model.eval()
+        for inputs, labels in loader:
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(inputs)
+            loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+            n = torch.tensor(len(labels), device=device)
+            sums += torch.stack([loss, (logits.argmax(1) == labels).sum(), n]).double()
     return all_reduce_means(sums)
 
 

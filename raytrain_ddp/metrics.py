@@ -31,6 +31,7 @@ CSV_COLUMNS = [
     "backend",
     "gpu_mem_peak_mib",
     "cpu_rss_mib",
+    "model_state_mib",
     "data_wait_frac",
     "skipped_samples",
     "resizes",

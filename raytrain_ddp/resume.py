@@ -42,7 +42,7 @@ BATCH = ("batch_size", "grad_accum", "global_batch_size")
 # does, so the user sees each one taken. The worker re-applies them after loading the saved state.
 APPLIED = (
     "epochs", "lr", "weight_decay", "momentum", "clip_grad_norm", "label_smoothing", "max_failures", "workers",
-    "max_workers",
+    "max_workers", "strategy", "sharding",
 )
 # Why silent: where and how the run runs, shows or saves itself; none changes what it trains.
 SILENT = (

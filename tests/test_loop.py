@@ -22,7 +22,6 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.loop import (
     Schedule,
     apply_gradients,
-    ddp_options,
     forward_backward,
     lr_factor,
     make_optimizer,
@@ -32,6 +31,7 @@ from raytrain_ddp.loop import (
 )
 from raytrain_ddp.metrics import read_csv
 from raytrain_ddp.models import MODELS
+from raytrain_ddp.strategy import ddp_options
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
 

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::sqlalchemy.exc.SADeprecationWar
 def row(epoch: int) -> dict:
     values = dict(
         epoch=epoch, train_loss=2.0 / epoch, train_acc=0.4 + 0.1 * epoch, val_loss=2.1 / epoch,
-        val_acc=0.4 + 0.1 * epoch, lr=0.05, epoch_time_s=3.5, throughput=1200.0, samples=4096,
-        world_size=2, backend="gloo", gpu_mem_peak_mib=None, cpu_rss_mib=900.0, data_wait_frac=0.02,
+        val_acc=0.4 + 0.1 * epoch, lr=0.05, epoch_time_s=3.5, throughput=1200.0, samples=4096, val_samples=1024,
+        world_size=2, backend="gloo", gpu_mem_peak_mib=None, cpu_rss_mib=900.0, model_state_mib=0.9, data_wait_frac=0.02,
         skipped_samples=0, resizes=0,
     )
     assert list(values) == CSV_COLUMNS  # a row as the workers send it

@@ -1,0 +1,320 @@
+"""DDP against FSDP on real 2-process gloo groups: the same losses, less state per rank, accumulation
+with clipping, evaluation on uneven shards, and checkpoints that reshard and cross strategies.
+
+No Ray, so each takes seconds; the loop's own step functions run on the wrapped models. The
+end-to-end runs through the CLI are at the bottom.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import TINY, free_port, raytrain
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_ddp import checkpoint, strategy
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.loop import apply_gradients, evaluate, forward_backward, make_optimizer
+from raytrain_ddp.metrics import read_csv
+
+NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    """Three blocks through the `fsdp_blocks` hook a user's model may define; no batch norm, whose
+    statistics would depend on the shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(20, 64), nn.ReLU()), nn.Sequential(nn.Linear(64, 64), nn.ReLU())])
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+
+def batches(steps: int, size: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 20, generator=g), torch.randint(4, (size,), generator=g)) for _ in range(steps)]
+
+
+def config(**changes) -> TrainConfig:
+    return TrainConfig(**{"model": "tests:Net", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3, "scheduler": "none", **changes})
+
+
+def train(model, optimizer, cfg: TrainConfig, data, micro: int) -> list[float]:
+    """Optimizer steps as the loop takes them, each over one batch cut into `micro` micro-batches;
+    the mean loss of each step."""
+    losses = []
+    for inputs, labels in data:
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for i, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
+            loss, _ = forward_backward(model, x, y, None, NO_SCALER, 0.0, weight=1 / micro, sync=i == micro - 1)
+            step_loss += loss.item() / micro
+        apply_gradients(model, optimizer, NO_SCALER, cfg.clip_grad_norm)
+        losses.append(step_loss)
+    return losses
+
+
+def wrapped(cfg: TrainConfig, local_world_size: int = 1) -> nn.Module:
+    """As strategy.wrap does it; DDP directly, as Ray's prepare_model (which needs a Ray Train worker) would."""
+    if cfg.strategy == "ddp":
+        return DistributedDataParallel(Net(), **strategy.ddp_options(cfg, cfg.grad_accum))
+    return strategy.wrap(cfg, Net(), cfg.grad_accum, CPU, local_world_size)
+
+
+def run_ranks(target, *args, timeout: float = 120):
+    """Run target(rank, *args) on 2 processes in one gloo group; return what rank 0 returned."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, results, target, args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results.get(timeout=600)  # the group is up: starting two Pythons with torch is slow on a loaded machine
+        result = results.get(timeout=timeout)
+    except queue.Empty:
+        result = TimeoutError(f"rank 0 gave no result in {timeout} s (a hang?)")
+    for p in procs:
+        p.join(timeout=120)  # slow on a loaded machine
+        if p.is_alive():
+            p.kill()
+    if isinstance(result, BaseException):
+        raise result
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return result
+
+
+def rank_main(rank: int, port: int, results, target, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    dist.barrier()
+    if rank == 0:
+        results.put("ready")
+    try:
+        result = target(rank, *args)
+    except Exception as err:  # rank 0's error is the test's; the other rank's shows in its exit code
+        if rank == 0:
+            results.put(RuntimeError(f"{type(err).__name__}: {err}"))
+        raise
+    if rank == 0:
+        results.put(result)
+    dist.destroy_process_group()
+
+
+def numpy_state(state: dict[str, torch.Tensor]) -> dict:
+    # numpy, pickled by value: a tensor would be shared through a socket of this process, gone once it exits
+    return {k: v.detach().numpy().copy() for k, v in state.items()}
+
+
+def train_each_way(rank: int, configs: dict[str, TrainConfig]) -> dict[str, tuple[list[float], dict, float]]:
+    """Each config in turn on this group: (the world's mean loss per step, the whole weights, the
+    largest rank's model_state_mib) after 4 steps. One group for all: a spawn costs seconds."""
+    results = {}
+    for name, cfg in configs.items():
+        model = wrapped(cfg)
+        optimizer = make_optimizer(cfg, model)
+        shard = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(4, 32)]
+        total = torch.tensor(train(model, optimizer, cfg, shard, micro=1))
+        dist.all_reduce(total)
+        mib = torch.tensor(strategy.state_mib(model, optimizer))
+        dist.all_reduce(mib, op=dist.ReduceOp.MAX)
+        results[name] = (total / 2).tolist(), numpy_state(strategy.whole_state(model)), mib.item()
+    return results
+
+
+ADAMW = {"optimizer": "adamw", "lr": 0.01}
+
+
+@pytest.fixture(scope="module")
+def each_way() -> dict[str, tuple[list[float], dict, float]]:
+    """DDP and the three FSDP shardings, the same seed, data and AdamW steps. hybrid here is 2
+    replicas of 1 shard (local_world_size 1): its all-reduce across replicas is what is tested."""
+    configs = {"ddp": config(**ADAMW)} | {s: config(**ADAMW, strategy="fsdp", sharding=s) for s in ("full", "grad-op", "hybrid")}
+    return run_ranks(train_each_way, configs)
+
+
+@pytest.mark.parametrize("sharding", ["full", "grad-op", "hybrid"])
+def test_fsdp_trains_as_ddp_does(each_way, sharding):
+    """FSDP's losses and weights are DDP's, to float rounding."""
+    ddp_losses, ddp_weights, _ = each_way["ddp"]
+    fsdp_losses, fsdp_weights, _ = each_way[sharding]
+    assert ddp_losses[-1] < ddp_losses[0]  # it trained
+    assert fsdp_losses == pytest.approx(ddp_losses, rel=1e-5)
+    for key, value in ddp_weights.items():
+        torch.testing.assert_close(torch.from_numpy(fsdp_weights[key]), torch.from_numpy(value), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_holds_at_most_0_6x_of_ddps_state_per_rank(each_way):
+    """AdamW: parameters, gradients and 2 moments. DDP holds all 4 copies per rank, FSDP half of them
+    at 2 ranks (hybrid, with 1 shard per replica, holds them all)."""
+    params = sum(p.numel() for p in Net().parameters()) * 4 / 2**20
+    assert each_way["ddp"][2] == pytest.approx(4 * params, rel=1e-6)
+    assert each_way["full"][2] <= 0.6 * each_way["ddp"][2]
+    assert each_way["grad-op"][2] <= 0.6 * each_way["ddp"][2]
+
+
+def accumulate_and_clip(rank: int, cfg: TrainConfig) -> dict:
+    model = wrapped(cfg)
+    optimizer = make_optimizer(cfg, model)
+    shard = [(x.chunk(2)[rank] * 30, y.chunk(2)[rank]) for x, y in batches(3, 64)]  # large gradients, so clipping acts
+    train(model, optimizer, cfg, shard, micro=4)
+    return numpy_state(strategy.whole_state(model))
+
+
+def test_accumulation_with_clipping_under_fsdp_matches_one_big_clipped_batch():
+    """2 ranks x 4 micro-batches of 8, clipped by the global norm over the shards = one clipped step
+    over 64 samples in one process."""
+    cfg = config(clip_grad_norm=0.5, strategy="fsdp", grad_accum=4)
+    big = [(x * 30, y) for x, y in batches(3, 64)]
+    probe = Net()
+    forward_backward(probe, *big[0], None, NO_SCALER, 0.0, weight=1.0, sync=True)
+    raw = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in probe.parameters()]))
+    assert raw > 5 * cfg.clip_grad_norm  # the clip really cuts (so a norm of one rank's shard would be off)
+    reference = Net()
+    train(reference, make_optimizer(cfg, reference), cfg, big, micro=1)
+    accumulated = run_ranks(accumulate_and_clip, cfg)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(torch.from_numpy(accumulated[key]), value, rtol=1e-4, atol=1e-5)
+
+
+def evaluate_uneven(rank: int, cfg: TrainConfig) -> tuple[float, float, float]:
+    model = wrapped(cfg)
+    data = batches(3, 8, seed=2)
+    mine = data if rank == 0 else []  # rank 1 has no validation batch at all
+    return evaluate(model, mine, CPU, None)
+
+
+def test_evaluation_under_fsdp_finishes_on_uneven_shards():
+    """Rank 0 has 3 batches, rank 1 none: a per-batch all-gather would hang; every sample counts once."""
+    loss, accuracy, count = run_ranks(evaluate_uneven, config(strategy="fsdp"), timeout=60)
+    expected = evaluate(Net(), batches(3, 8, seed=2), CPU, None)
+    assert count == 24
+    assert (loss, accuracy) == pytest.approx(expected[:2], rel=1e-5)
+
+
+def save_sharded(rank: int, cfg: TrainConfig, directory: str) -> dict:
+    """An FSDP step, then DCP files from both ranks in one directory (as Ray's merge leaves them)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = wrapped(cfg)
+    optimizer = make_optimizer(cfg, model)
+    train(model, optimizer, cfg, [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(1, 32)], micro=1)
+    dcp.save(strategy.sharded_state(model, optimizer), checkpoint_id=directory)
+    # the next step, as the run would have taken it: the resumed one must match
+    train(model, optimizer, cfg, [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(2, 32)[1:]], micro=1)
+    return numpy_state(strategy.whole_state(model))
+
+
+def test_a_sharded_checkpoint_resumes_on_one_rank_without_fsdp(tmp_path):
+    """FSDP at 2 ranks -> a plain model at 1: DCP reshards the model and AdamW's moments on load."""
+    cfg = config(optimizer="adamw", lr=0.01, strategy="fsdp")
+    expected = run_ranks(save_sharded, cfg, str(tmp_path))
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    model = Net()
+    optimizer = make_optimizer(cfg, model)
+    strategy.load_sharded(model, optimizer, tmp_path)
+    train(model, optimizer, cfg, batches(2, 32)[1:], micro=1)  # the whole batch on the one rank
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, torch.from_numpy(expected[key]), rtol=1e-5, atol=1e-6)
+
+
+def ddp_then_fsdp(rank: int) -> tuple[dict, dict]:
+    """A DDP step, its whole state as state.pt holds it, loaded into FSDP; one more step under each."""
+    ddp_cfg = config(optimizer="adamw", lr=0.01)
+    ddp = wrapped(ddp_cfg)
+    ddp_optimizer = make_optimizer(ddp_cfg, ddp)
+    data = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(2, 32)]
+    train(ddp, ddp_optimizer, ddp_cfg, data[:1], micro=1)
+    model_state, optimizer_state = copy.deepcopy(strategy.full_state(ddp, ddp_optimizer))
+    fsdp_cfg = config(optimizer="adamw", lr=0.01, strategy="fsdp")
+    fsdp = wrapped(fsdp_cfg)
+    fsdp_optimizer = make_optimizer(fsdp_cfg, fsdp)
+    strategy.load_full(fsdp, fsdp_optimizer, model_state, optimizer_state)
+    train(ddp, ddp_optimizer, ddp_cfg, data[1:], micro=1)
+    train(fsdp, fsdp_optimizer, fsdp_cfg, data[1:], micro=1)
+    return numpy_state(strategy.whole_state(ddp)), numpy_state(strategy.whole_state(fsdp))
+
+
+def test_a_ddp_state_loads_into_fsdp_with_its_optimizer_moments():
+    ddp, fsdp = run_ranks(ddp_then_fsdp)
+    for key, value in ddp.items():
+        torch.testing.assert_close(torch.from_numpy(fsdp[key]), torch.from_numpy(value), rtol=1e-5, atol=1e-6)
+
+
+def test_default_blocks_are_the_big_modules_inner_first():
+    big = nn.Sequential(nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000)), nn.Linear(1000, 10))
+    blocks = strategy.default_blocks(big)
+    assert blocks == [big[0][0], big[0][1]]  # 1M each; the rest (10k) stays with the root
+    assert strategy.fsdp_blocks("tests:Net", Net())[0] is not None  # the hook wins over the default
+
+
+# --- end to end: the real CLI on the shared Ray head ---
+
+def run_args(tmp_path: Path, name: str, *more: str) -> list[str]:
+    return ["run", *TINY, "--storage-path", str(tmp_path), "--name", name, *more]
+
+
+def latest(run_dir: Path) -> Path:
+    from raytrain_ddp.resume import latest_checkpoint
+
+    return latest_checkpoint(run_dir)
+
+
+@pytest.mark.e2e
+def test_fsdp_run_checkpoints_in_shards_resumes_on_one_worker_and_exports(ray_head, tmp_path):
+    first = raytrain(*run_args(tmp_path, "sharded", "--strategy", "fsdp", "--workers", "2"), env=ray_head.env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = latest(tmp_path / "sharded")
+    assert sorted(f.name for f in (saved / checkpoint.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "model" not in torch.load(saved / checkpoint.STATE, weights_only=True)  # no rank held it whole
+    assert '"strategy": "fsdp"' in (saved / checkpoint.RESUME_INFO).read_text()
+
+    resumed = raytrain(*run_args(tmp_path, "sharded", "--strategy", "fsdp", "--workers", "1", "--epochs", "2"), env=ray_head.env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from the checkpoint at epoch 2" in resumed.stdout
+    rows = read_csv(tmp_path / "sharded" / "metrics.csv")
+    assert [(r["epoch"], r["world_size"]) for r in rows] == [("1", "2"), ("2", "1")]
+    assert float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])  # it went on from the trained weights
+    # the largest rank's share of the state: about half at 2 ranks of what 1 rank holds
+    assert float(rows[0]["model_state_mib"]) < 0.6 * float(rows[1]["model_state_mib"])
+
+    exported = raytrain("export", str(tmp_path / "sharded"), "--to", str(tmp_path / "model.pt"))
+    assert exported.returncode == 0, exported.stderr
+    from raytrain_ddp.models import convnet
+
+    convnet(num_classes=10, in_channels=3).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+
+
+@pytest.mark.e2e
+def test_a_ddp_run_resumes_under_fsdp_and_back(ray_head, tmp_path):
+    ddp = raytrain(*run_args(tmp_path, "crossed"), env=ray_head.env)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp = raytrain(*run_args(tmp_path, "crossed", "--strategy", "fsdp", "--epochs", "2"), env=ray_head.env)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "resume: --strategy ddp -> fsdp applied" in fsdp.stdout + fsdp.stderr
+    assert (latest(tmp_path / "crossed") / checkpoint.SHARDS).is_dir()
+    back = raytrain(*run_args(tmp_path, "crossed", "--epochs", "3"), env=ray_head.env)
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert "resumed from the checkpoint at epoch 3" in back.stdout
+    rows = read_csv(tmp_path / "crossed" / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"]
+    assert float(rows[2]["train_loss"]) < float(rows[0]["train_loss"])
