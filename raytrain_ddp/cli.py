@@ -210,6 +210,20 @@ def verify(
 
 
 @app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="A run directory: <storage-path>/<name>."),
+    to: Path = typer.Option(..., "--to", help="The file to write, e.g. model.pt."),
+    debug: bool = DEBUG,
+) -> None:
+    """Write the latest checkpoint's model, DDP's or FSDP's, as one plain state dict for inference."""
+    from raytrain_ddp.tools.export import export as export_run
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
+    print(export_run(run_dir, to))
+
+
+@app.command()
 def check(
     workers: int = typer.Option(2, "--workers", "-w", help="Ranks to test."),
     gpu: bool = typer.Option(False, "--gpu/--cpu", help="Test GPUs with NCCL (--gpu) or CPUs with gloo."),

@@ -1,0 +1,50 @@
+"""`raytrain export RUN_DIR --to model.pt`: the latest registered checkpoint's model as one plain
+state dict, for inference: `model.load_state_dict(torch.load("model.pt", weights_only=True))`.
+
+A DDP checkpoint has it whole in state.pt; an FSDP one in shards, which are read here, in one
+process without a process group, and put together (the optimizer's shards are left unread).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.resume import latest_checkpoint
+
+STATE = "state.pt"  # checkpoint.STATE and SHARDS; checkpoint.py imports ray.train, which this needs not
+SHARDS = "shards"
+MODEL = "model."  # the model's keys in the shards, under "model" as strategy.sharded_state nests them
+
+
+def model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's whole state dict from one checkpoint directory, DDP's or FSDP's."""
+    if (checkpoint_dir / SHARDS).is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(str(checkpoint_dir / SHARDS))
+        tensors = {key[len(MODEL):]: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+                   if key.startswith(MODEL)}
+        # whole tensors to read into: DCP copies each saved shard into its place in them
+        state = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in tensors.items()}
+        with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+        return state
+    return torch.load(checkpoint_dir / STATE, map_location="cpu", weights_only=True)["model"]
+
+
+def export(run_dir: Path, to: Path) -> str:
+    """Write the latest checkpoint's model to `to`; returns the line to print."""
+    checkpoint_dir = latest_checkpoint(run_dir)
+    if checkpoint_dir is None:
+        raise ConfigError(f"{run_dir} has no registered checkpoint; pass a run directory of a run that saved one")
+    state = model_state(checkpoint_dir)
+    to.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, to)
+    params = sum(value.numel() for value in state.values() if value.is_floating_point())
+    return f"exported {checkpoint_dir.name} of {run_dir} to {to}: {len(state)} tensors, {params:,} values"
