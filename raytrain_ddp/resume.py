@@ -76,7 +76,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     counts: a directory of one still being written when the run died is not resumed from."""
     try:
         snapshot = json.loads((run_dir / SNAPSHOT).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no run yet; a bad --storage-path is check_writable's to name
         return None
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read {run_dir / SNAPSHOT} ({err}); pass {FRESH}") from None
