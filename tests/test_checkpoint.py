@@ -127,7 +127,7 @@ def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(
     assert [seeds[seed] for seed in every] == [1] * len(every)
     rows = read_csv(tmp_path / "resized" / "metrics.csv")
     assert [r["lr"] for r in rows] == [r["lr"] for r in read_csv(uninterrupted / "metrics.csv")]
-    assert [r["world_size"] for r in rows] == [str(after)] * 2
+    assert rows[-1]["world_size"] == str(after)  # USR1 stops at the next agreed step, which may fall in epoch 2
     assert json.loads((tmp_path / "resized" / "summary.json").read_text())["resizes"][0]["from"] == before
 
 
