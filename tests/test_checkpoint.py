@@ -106,18 +106,19 @@ def test_a_run_killed_mid_epoch_resumes_bit_for_bit(ray_head, uninterrupted, tmp
     assert [key for key in reference if not torch.equal(ours[key], reference[key])] == []
 
 
-@pytest.mark.parametrize("before, after, sig", [(2, 1, signal.SIGUSR1), (1, 2, signal.SIGKILL)])
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(
-    ray_head, uninterrupted, tmp_path, before, after, sig,
+    ray_head, uninterrupted, tmp_path, before, after,
 ):
-    """2 -> 1 workers (Slurm's USR1: checkpoint, exit 75) and 1 -> 2 (SIGKILL): every sample of
-    every epoch is trained exactly once, and each epoch ends at the uninterrupted run's LR."""
-    # No loader workers: they read ahead, and a killed run's read-ahead would look trained.
+    """2 -> 1 and 1 -> 2 workers, stopped by Slurm's USR1 (checkpoint, exit 75): every sample of
+    every epoch is trained exactly once, and each epoch ends at the uninterrupted run's LR. (Not
+    SIGKILL: a killed driver's workers train on for a moment before Ray reaps them, and their reads
+    would be logged; the bit-for-bit test above covers SIGKILL.)"""
+    # No loader workers: they read ahead, and read-ahead would look trained.
     first = exact_run(tmp_path, "resized", workers=before, data_workers=0)
-    proc = stop_mid_epoch(first, ray_head.env, tmp_path / "resized", sig)
+    proc = stop_mid_epoch(first, ray_head.env, tmp_path / "resized", signal.SIGUSR1)
     _, err = proc.communicate(timeout=180)
-    if sig == signal.SIGUSR1:
-        assert proc.returncode == 75 and "run the same command again" in err, err[-2000:]
+    assert proc.returncode == 75 and "run the same command again" in err, err[-2000:]
     resumed = raytrain("run", *exact_run(tmp_path, "resized", workers=after, data_workers=0), env=ray_head.env, cwd=SCRIPTS)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
