@@ -208,8 +208,9 @@ def test_the_recipe_trains_and_mlflow_and_wandb_read_it_back(ray_head, tmp_path)
     run_dir = tmp_path / "recipe"
     rows = read_csv(run_dir / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"] and float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])
-    # 256 samples / 2 ranks / 32 = 4 micro-batches, 2 optimizer steps an epoch; cosine after 1 warmup step.
-    assert float(rows[0]["lr"]) == pytest.approx(0.05 * lr_factor(2, "cosine", 2, 2, 0.5))
+    # 256 samples an epoch, warmup over the first 128, then a cosine to the 512th: a third of it by epoch 1's end.
+    schedule = new_schedule(TrainConfig(epochs=2, warmup_epochs=0.5), train_size=256)
+    assert float(rows[0]["lr"]) == pytest.approx(0.05 * lr_factor(schedule, 256, "cosine")) == pytest.approx(0.0375)
     assert float(rows[1]["lr"]) == pytest.approx(0.0, abs=1e-9)
 
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")  # the local store, MLFLOW_TRACKING_URI unset
