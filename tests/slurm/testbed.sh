@@ -249,6 +249,13 @@ cmd_up() {
     preflight
     start_munge
     setup_network
+    # No controller running means the last testbed died without `down` (a killed
+    # session, a reboot). Its saved jobs would be recovered and hold the nodes
+    # "alloc" forever, so a cold start drops them and anything left in the nodes.
+    if ! pid_alive "$LAB/slurmctld.pid"; then
+        stop_namespace_processes KILL
+        rm -rf "$LAB/state" "$LAB/spool" "$LAB/nodes"
+    fi
     write_files
     start_daemons
     # A node left DOWN by an earlier unclean stop stays down otherwise.
