@@ -34,6 +34,7 @@ from raytrain_ddp.errors import (
     one_line,
 )
 from raytrain_ddp.launch import LAUNCH_FIELDS
+from raytrain_ddp.startup import process_started
 from raytrain_ddp.tools import submit
 from raytrain_ddp.tools.bench_data import data_command
 
@@ -108,7 +109,7 @@ def run(
         driver.dry_run(cfg)
         return
     try:
-        summary = driver.run(cfg)
+        summary = driver.run(cfg, launched=process_started())  # the start-up line counts our imports too
     except KeyboardInterrupt as err:  # typer would make it a silent exit 130; driver.Interrupted says how to resume
         print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -159,7 +160,7 @@ def launch_command(
     from raytrain_ddp.launch import launch as run_script
 
     target = find_target(script, module, args or [])
-    raise typer.Exit(run_script(cfg, target, show_ranks, dry_run, stop_grace_s))
+    raise typer.Exit(run_script(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started()))
 
 
 submit.register(app, train_options, DEBUG)  # submit, status, logs, stop: Ray Jobs on a running cluster

@@ -15,10 +15,12 @@ from raytrain_ddp.cluster import (
     check_writable,
     choose_layout,
     connect,
+    live_nodes,
     on_this_node,
     preflight,
     ray_address,
     resolve_run,
+    state_preflight,
     trainer_configs,
 )
 from raytrain_ddp.config import TrainConfig, dumps
@@ -29,6 +31,8 @@ from raytrain_ddp.metrics import (
     write_parquet,
 )
 from raytrain_ddp.progress import Display
+from raytrain_ddp.startup import RUN_STAGES, stages, stages_line
+from raytrain_ddp.startup import summary as startup_summary
 
 POLL_S = 0.5
 """How often the driver asks rank 0's metrics sink for news."""
@@ -61,6 +65,7 @@ def check_request(cfg: TrainConfig, model: Any = None, dataset: Any = None, dry:
 
 def dry_run(cfg: TrainConfig) -> None:
     cfg, run_dir, _ = check_request(cfg, dry=True)
+    state_preflight(cfg)  # the model state per rank; with --gpu checked against a local GPU only
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
@@ -70,22 +75,29 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"{scaling}\n{run}\n{torch_config}")
 
 
-def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: float | None = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
-    (the Python API) override cfg's: a name, an import path, or a callable. Ctrl-C checkpoints,
-    then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1 checkpoints, then raises Stopped."""
+    (the Python API) override cfg's: a name, an import path, or a callable. `launched`: when the
+    command began (the CLI's process start), so the start-up stages count its imports; default now.
+    Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
+    checkpoints, then raises Stopped."""
     from raytrain_ddp import tracking
     from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
     from raytrain_ddp.shipping import ship_code, user_code
     from raytrain_ddp.worker import train_entry
 
     started = time.time()
+    marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
     cfg, run_dir, given = check_request(cfg, model, dataset)
     if not cfg.resume:
         start_fresh(run_dir)
     check_writable(run_dir)
+    marks["checks"] = time.time()
     connect(cfg)
+    marks["connect"] = time.time()
     cfg = preflight(cfg)
+    state_preflight(cfg, given.get("model"), live_nodes())
+    marks["placement"] = time.time()
     code_paths, code_env = user_code(cfg)
     ship_code(cfg, code_env)
 
@@ -114,7 +126,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
             f"{cfg.workers} workers x {accum} accumulated micro-batches per optimizer step"
         )
     trackers = tracking.start(cfg, run_dir)
-    watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers)
+    watcher = Watcher(sink, display, run_dir, cfg.tensorboard, trackers, (launched or started, marks))
     watcher.start()
     summary = None
     try:
@@ -124,7 +136,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
             finally:
                 watcher.stop()
                 display.close()
-        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started, interrupted())
+        summary = finish_run(cfg, run_dir, watcher.info, watcher.rows, started, interrupted(), watcher.startup)
     finally:
         trackers.finish(run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
     return summary
@@ -157,9 +169,11 @@ def fit(trainer: Any) -> None:
 
 
 def finish_run(
-    cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float, interrupted: bool = False
+    cfg: TrainConfig, run_dir: Path, info: dict[str, Any], rows: list[dict], started: float, interrupted: bool = False,
+    startup: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The run's summary.json, once fit() returned; or why the run did not finish."""
+    """The run's summary.json, once fit() returned; or why the run did not finish. `startup`: seconds
+    per start-up stage (startup.py), as the run's line showed them."""
     if info.get("stopped_at"):
         epoch, step = info["stopped_at"]
         message = (
@@ -179,6 +193,7 @@ def finish_run(
         "node_ips": [r["ip"] for r in info["ranks"]],
         "wall_time_s": round(time.time() - started, 3),
         "first_step_unix": info.get("first_step_unix"),
+        "startup": startup_summary(startup) if startup else None,
         "resizes": [{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
         "config": cfg.to_dict(),
     }
@@ -257,11 +272,17 @@ def stop_on_signals(cfg: TrainConfig, sink: Any, display: Display) -> Iterator[C
 
 
 class Watcher(threading.Thread):
-    """Polls the metrics sink while fit() blocks: updates the display, rewrites the metrics files."""
+    """Polls the metrics sink while fit() blocks: updates the display, rewrites the metrics files,
+    and at the first step shows the start-up stages."""
 
-    def __init__(self, sink: Any, display: Display, run_dir: Path, tensorboard: bool, trackers: Any):
+    def __init__(
+        self, sink: Any, display: Display, run_dir: Path, tensorboard: bool, trackers: Any,
+        driver_marks: tuple[float, dict[str, float]] = (0.0, {}),
+    ):
         super().__init__(daemon=True)
         self.sink, self.display, self.run_dir, self.trackers = sink, display, run_dir, trackers
+        self.begin, self.marks = driver_marks
+        self.startup: dict[str, float] | None = None
         self.tensorboard = tensorboard_writer(run_dir) if tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
@@ -293,6 +314,10 @@ class Watcher(threading.Thread):
             self.display.print(f"Ray is draining a node of this run: checkpointed at epoch {epoch} after {position} samples")
         for event in info.get("resizes", [])[len(self.info.get("resizes", [])) :]:
             self.display.print(describe_resize(event))
+        if self.startup is None and info.get("startup") and info.get("first_step_unix"):
+            marks = {**self.marks, **info["startup"], "first step": info["first_step_unix"]}
+            self.startup = stages(self.begin, marks, RUN_STAGES)
+            self.display.print(stages_line(self.startup))
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
 

@@ -34,6 +34,8 @@ from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from raytrain_ddp.metrics import write_json
 from raytrain_ddp.shipping import ship_code
+from raytrain_ddp.startup import LAUNCH_STAGES, stages, stages_line
+from raytrain_ddp.startup import summary as startup_summary
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
@@ -113,9 +115,10 @@ def parse_ranks(text: str, world_size: int) -> set[int]:
 
 
 def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = False,
-           stop_grace_s: float = STOP_GRACE_S) -> int:
+           stop_grace_s: float = STOP_GRACE_S, launched: float | None = None) -> int:
     """Run the target on cfg.workers ranks (MIN:MAX: elastic); return the exit status: 0, the
-    script's, 75 after a SIGTERM that every rank answered cleanly, 130 after Ctrl-C."""
+    script's, 75 after a SIGTERM that every rank answered cleanly, 130 after Ctrl-C. `launched`: when
+    the command began, for the start-up stages (default: now)."""
     if stop_grace_s < 0:
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
@@ -126,10 +129,14 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
+    marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
     signals = Signals()  # from here on, a Ctrl-C or SIGTERM is ours: remembered, then forwarded
     check_writable(run_dir)
+    marks["checks"] = time.time()
     connect(cfg)
+    marks["connect"] = time.time()
     cfg = preflight(cfg)
+    marks["placement"] = time.time()
 
     from ray.train.v2.api.data_parallel_trainer import (
         DataParallelTrainer,  # TorchTrainer, minus its process group
@@ -165,7 +172,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     which = "all ranks" if len(shown) == (cfg.max_workers or cfg.workers) else "rank " + ",".join(map(str, sorted(shown)))
     say(f"{size(cfg)} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {run_dir / 'logs'}/rank-N.log")
-    printer = Printer(hub, run_dir / "logs", shown)
+    printer = Printer(hub, run_dir / "logs", shown, (launched or started, marks))
     # fit() in a thread of its own: Ray Train puts its own SIGINT handler (an abort of the whole run,
     # unseen by the scripts) in only when fit() runs in the main thread, so ours stays in place.
     fit = Fit(trainer)
@@ -183,7 +190,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     import ray
 
     outcome = ray.get(hub.outcome.remote())
-    write_summary(run_dir, cfg, target, outcome, started)
+    write_summary(run_dir, cfg, target, outcome, started, printer.startup)
     return judge(outcome, fit.error, signals.received)
 
 
@@ -298,7 +305,10 @@ def root_cause(rank: int, failed: dict[str, Any]) -> None:
         print(error["traceback"].rstrip("\n"), file=sys.stderr, flush=True)
 
 
-def write_summary(run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float) -> None:
+def write_summary(
+    run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float,
+    startup: dict[str, float] | None = None,
+) -> None:
     from raytrain_ddp.launch_agent import exit_status
 
     peers = [p or {} for p in outcome["peers"]]
@@ -315,6 +325,7 @@ def write_summary(run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict
         "exit_codes": [None if code is None else exit_status(code) for code in codes],  # as a shell shows them
         "stop_signal": outcome["stop_signal"],
         "wall_time_s": round(time.time() - started, 3),
+        "startup": startup_summary(startup) if startup else None,  # up to the script's start
         "config": {key: getattr(cfg, key) for key in LAUNCH_FIELDS},
     })
 
@@ -327,10 +338,13 @@ def say(line: str) -> None:
 class Printer:
     """The ranks' lines, fetched by the driver's main loop while fit() runs: every line to
     logs/rank-N.log, the shown ranks' lines to this terminal (stdout or stderr, as the script wrote
-    them), marked `[rankN]:` as torchrun's --tee marks them."""
+    them), marked `[rankN]:` as torchrun's --tee marks them; and, when the first script starts, the
+    start-up stages."""
 
-    def __init__(self, hub: Any, log_dir: Path, shown: set[int]):
+    def __init__(self, hub: Any, log_dir: Path, shown: set[int], driver_marks: tuple[float, dict[str, float]] = (0.0, {})):
         self.hub, self.log_dir, self.shown = hub, log_dir, shown
+        self.begin, self.marks = driver_marks
+        self.startup: dict[str, float] | None = None
         self.files: dict[int, TextIO] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -343,6 +357,10 @@ class Printer:
         import ray
 
         for rank, stream, text in ray.get(self.hub.take_lines.remote()):
+            if rank < 0 and stream == "startup":  # rank 0's agent marks (the first attempt's), stitched to ours
+                self.startup = stages(self.begin, {**self.marks, **json.loads(text)}, LAUNCH_STAGES)
+                say(stages_line(self.startup, " to the script's start"))
+                continue
             if rank < 0:
                 self.new_attempt(json.loads(text))
                 continue

@@ -68,6 +68,7 @@ class LaunchHub:
         self.stop: dict[str, Any] | None = None
         self.changed = asyncio.Event()
         self.watching = False
+        self.told_startup = False
 
     def _attempt(self, key: str, world_size: int) -> dict[str, Any]:
         if key not in self.attempts:
@@ -94,6 +95,12 @@ class LaunchHub:
             attempt["formed"].set()
         await attempt["formed"].wait()
         return {"number": attempt["number"], "peers": [attempt["peers"][r] for r in range(world_size)]}
+
+    def started(self, marks: dict[str, float]) -> None:
+        """Rank 0's start-up marks (startup.py), once: for the driver's start-up line."""
+        if not self.told_startup:
+            self.told_startup = True
+            self.lines.append((-1, "startup", json.dumps(marks)))
 
     def output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         self.lines.extend((rank, stream, text) for stream, text in lines)
@@ -329,6 +336,7 @@ def pump(stream: Any, name: str, pending: list[tuple[str, str]], last: dict[str,
 
 def run_script(loop_config: dict[str, Any]) -> None:
     """The train function of `raytrain launch`: rendezvous, run the script, report how it ended."""
+    marks = {"workers": time.time()}  # start-up stages (startup.py): Ray Train's start ends here
     import ray.train
     import ray.train.collective
 
@@ -350,6 +358,7 @@ def run_script(loop_config: dict[str, Any]) -> None:
         "port": free_port() if rank == 0 else None,
     }))
     attempt = group["number"]
+    marks["rendezvous"] = time.time()
     error_dir = tempfile.mkdtemp(prefix=f"raytrain-{loop_config['run_id']}-attempt{attempt}-rank{rank}-")
     error_file = os.path.join(error_dir, "error.json")
     env = child_env(
@@ -372,6 +381,9 @@ def run_script(loop_config: dict[str, Any]) -> None:
         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
         preexec_fn=_as_torchrun_child,
     )
+    if rank == 0:
+        marks["script start"] = time.time()
+        hub.started.remote(marks)
     pending: list[tuple[str, str]] = []
     last = {"stdout": "", "stderr": ""}
     lock = threading.Lock()

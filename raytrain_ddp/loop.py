@@ -48,7 +48,9 @@ FP16_BAD_LOSS_PATIENCE = 20
 steps and backs off); this many in a row is a diverged run. fp32 and bf16 stop on the first."""
 
 
-def train_loop(loop_config: dict[str, Any]) -> None:
+def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> None:
+    # Start-up stages (startup.py), stitched by the driver: wall-clock, since they cross processes.
+    marks = {"workers": entered or time.time(), "imports": time.time()}
     cfg = TrainConfig.from_dict(loop_config["config"])
     sink = loop_config["sink"]  # the driver's MetricsSink actor
     given = loop_config.get("given", {})  # the Python API's model and dataset callables, if any
@@ -66,9 +68,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ranks = [where] * world_size
     if world_size > 1:
         dist.all_gather_object(ranks, where)
+    marks["process group"] = time.time()  # every rank has arrived (and NCCL made its communicator)
 
     # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
     loaders = make_loaders(cfg, rank, world_size, cuda, dataset_builder(cfg.dataset, given.get("dataset")))
+    marks["data"] = time.time()
 
     # [3] Model, optimizer, schedule, mixed precision.
     model = model_builder(cfg.model, given.get("model"))(num_classes=cfg.num_classes, in_channels=loaders.in_channels)
@@ -96,6 +100,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # the same --name. Positions are global, so the samples already trained are never trained again.
     resume = restore(cfg, rank, world_size, device, model, optimizer, scaler, train_size)
     schedule, rows, resizes = resume.schedule, resume.rows, resume.resizes
+    marks["model"] = time.time()
 
     def save(epoch: int, position: int, sums: torch.Tensor, train_time: float, metrics: dict) -> None:
         """Every rank, at the same step: the world's state at global `position` of `epoch`."""
@@ -139,6 +144,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             if resume.resumed
             else None,
             resizes=resizes,
+            startup=marks,
         ))
         resizes = told if told is not None else resizes
         for row in rows:

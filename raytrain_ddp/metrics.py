@@ -53,7 +53,8 @@ class Sink:
 
     def start(self, **run: Any) -> list[dict[str, Any]]:
         """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
-        step, or None) and the resizes its checkpoint holds. Returns the run's resizes, which rank 0
+        step, or None), the resizes its checkpoint holds, and rank 0's start-up marks (`startup`:
+        stage -> time.time()). Returns the run's resizes, which rank 0
         adopts and saves in its checkpoints.
 
         Only this actor sees every worker group of this driver: a restart that found no registered
@@ -63,6 +64,9 @@ class Sink:
         size differs) is that same event.
         """
         found = list(run.pop("resizes", None) or [])
+        marks = run.pop("startup", None)
+        if marks is not None:  # rank 0's start-up marks (startup.py): the first worker group's, as first_step_unix is
+            self.run.setdefault("startup", marks)
         previous = self.run.get("world_size")
         # The epoch the group starts at: rows from there on were reported by a group that died before
         # its checkpoint was registered; they will be redone and reported again.

@@ -7,6 +7,7 @@ torch's training stack (seconds on the critical path of every start).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from raytrain_ddp.config import ConfigError
@@ -15,11 +16,12 @@ from raytrain_ddp.config import ConfigError
 def train_entry(loop_config: dict[str, Any]) -> None:
     """What TorchTrainer ships to the workers: a reference to this light module, so the driver never
     imports the worker loop (torch and friends take seconds to import on the critical path)."""
+    entered = time.time()  # Ray Train's start ends here; the loop's imports start (start-up stages)
     sys.path[:0] = [p for p in loop_config["code_paths"] if p not in sys.path]  # the user's modules
     from raytrain_ddp.loop import train_loop
 
     try:
-        train_loop(loop_config)
+        train_loop(loop_config, entered)
     except RuntimeError as err:
         if "find_unused_parameters" not in str(err):
             raise
