@@ -6,8 +6,9 @@ hand. With one process there is no DDP wrapper (as Ray Train's prepare_model): a
 
     torchrun --standalone --nproc_per_node=2 -m raytrain_ddp.tools.bench_torchrun '<TrainConfig JSON>'
 
-Rank 0 prints one JSON line: when the first optimizer step finished, samples/s per epoch, peak RSS
-and peak GPU memory (max over ranks).
+Rank 0 prints one JSON line: when the first optimizer step finished, its start-up marks (the same
+stages as raytrain's, where they exist: startup.py), samples/s per epoch, peak RSS and peak GPU
+memory (max over ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from raytrain_ddp.models import MODELS
 
 
 def main() -> None:
+    marks = {"python": time.time()}  # torchrun, the interpreters and their imports end here
     cfg = TrainConfig.from_dict(json.loads(sys.argv[1]))
     cuda = cfg.gpu
     if cuda:
@@ -40,9 +42,12 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has arrived, as raytrain's first collective marks it
+    marks["process group"] = time.time()
     torch.set_num_threads(cfg.cpus_per_worker)
     torch.manual_seed(cfg.seed)
     loaders = make_loaders(cfg, rank, world_size, cuda=cuda)
+    marks["data"] = time.time()
     model = MODELS[cfg.model](cfg.num_classes, loaders.in_channels).to(device)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
@@ -53,6 +58,7 @@ def main() -> None:
     if cuda and cfg.amp:
         amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    marks["model"] = time.time()
 
     first_step_unix, throughputs = None, []
     for epoch in range(1, cfg.epochs + 1):
@@ -81,7 +87,7 @@ def main() -> None:
     peaks = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, gpu_mib], dtype=torch.float64, device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(json.dumps({"first_step_unix": first_step_unix, "throughputs": throughputs,
+        print(json.dumps({"first_step_unix": first_step_unix, "marks": marks, "throughputs": throughputs,
                           "rss_mib": peaks[0].item(), "gpu_mem_peak_mib": peaks[1].item() if cuda else None}))
     dist.destroy_process_group()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.tools.bench_overhead import VARIANTS, report
+from raytrain_ddp.tools.bench_overhead import VARIANTS, report, stages_table
 
 
 def test_report_ratios_against_torchrun():
@@ -17,6 +17,17 @@ def test_report_ratios_against_torchrun():
     assert table.splitlines()[2].split()[8] == "1100"
 
 
+def test_stages_table_medians_each_stage_and_marks_the_missing():
+    torchrun = {"python": 2.0, "process group": 1.0, "first step": 0.5}
+    ray = lambda workers: {"python": 2.0, "connect": 1.0, "workers": workers, "first step": 0.5}
+    table = stages_table({"torchrun": [{"stages": torchrun}], "raytrain running Ray": [{"stages": ray(w)} for w in (4, 9, 5)]})
+    header, base, running = table.splitlines()
+    assert header.split()[4:8] == ["total", "python", "checks", "connect"]
+    assert base.split()[1:5] == ["3.5", "2.0", "-", "-"]  # torchrun has no connect stage
+    cells = running.split()[3:]
+    assert cells[0] == "8.5" and cells[5] == "5.0"  # total and workers: medians of the 3 runs
+
+
 @pytest.mark.e2e
 def test_tiny_benchmark_prints_every_variant():
     proc = raytrain("bench", "overhead", "--rounds", "1", "--epochs", "1", "--train-samples", "256",
@@ -26,3 +37,6 @@ def test_tiny_benchmark_prints_every_variant():
     table = proc.stdout.split("runs (first step s)")[1]
     for variant in VARIANTS:
         assert variant in table
+    stages = proc.stdout.split("start-up stages, median s")[1].splitlines()[1:]
+    assert [line[:26].strip() for line in stages] == list(VARIANTS)
+    assert all("-" not in line.split()[-1] for line in stages)  # every arm timed its first step
