@@ -170,6 +170,11 @@ class TrainConfig:
     wandb: bool = False
     """Log the same to Weights & Biases, honouring WANDB_PROJECT, WANDB_MODE=offline and the other
     WANDB_* settings (pip install 'raytrain-ddp[wandb]')."""
+    profile: str | None = None
+    """Profile micro-batches of the first epoch with torch.profiler, as WAIT:WARMUP:ACTIVE, e.g. 5:2:3
+    (skip 5, warm up 2, record 3). Each rank writes a trace to <run dir>/profile/ (TensorBoard's
+    profiler view, Perfetto) and prints one line: data wait, compute and communication shares of the
+    step, and the top ops. It changes nothing that is trained."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -235,6 +240,7 @@ class TrainConfig:
             raise ConfigError("--find-unused-parameters is DDP's; FSDP needs no search, drop it with --strategy fsdp")
         if self.backend == "nccl" and not self.gpu:
             raise ConfigError("--backend nccl needs --gpu; use --backend gloo (or auto) on CPU")
+        self.profile_steps  # a bad --profile fails here, in one line
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ConfigError(f"--name must be a plain directory name (got {self.name!r})")
 
@@ -244,6 +250,19 @@ class TrainConfig:
         if self.global_batch_size is None:
             return self.grad_accum
         return self.global_batch_size // (self.batch_size * world_size)
+
+    @property
+    def profile_steps(self) -> tuple[int, int, int] | None:
+        """--profile as (wait, warmup, active) micro-batches, or None when off."""
+        if self.profile is None:
+            return None
+        match = re.fullmatch(r"\s*(\d+):(\d+):(\d+)\s*", self.profile)
+        if match is None or int(match.group(3)) < 1:
+            raise ConfigError(
+                f"--profile takes WAIT:WARMUP:ACTIVE micro-batches with ACTIVE at least 1, e.g. 5:2:3 (got {self.profile!r})"
+            )
+        wait, warmup, active = map(int, match.groups())
+        return wait, warmup, active
 
     @property
     def elastic(self) -> bool:

@@ -49,7 +49,7 @@ SILENT = (
     "resize_check_s", "gpu", "cpus_per_worker", "placement", "address", "backend", "wait_for_resources",
     "data_workers", "download", "skip_bad", "amp", "find_unused_parameters", "compile", "checkpoint_every_steps",
     "keep_checkpoints", "resume", "storage_path", "name", "progress", "verbose", "tensorboard", "mlflow",
-    "mlflow_experiment", "wandb",
+    "mlflow_experiment", "wandb", "profile",
 )
 
 BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
