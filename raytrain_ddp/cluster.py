@@ -175,14 +175,19 @@ def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list
     )
 
 
+def live_nodes() -> list[dict]:
+    """The resources dict of each live node of the Ray cluster this process is connected to."""
+    import ray
+
+    return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+
 def preflight(cfg: TrainConfig) -> TrainConfig:
     """Fail in seconds, naming what is missing, instead of waiting forever for resources; then
     choose the layout (choose_layout) from the nodes there are, say it, and return cfg with it."""
-    import ray
-
     deadline = time.monotonic() + cfg.wait_for_resources
     while True:
-        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        nodes = live_nodes()
         problem = placement_problem(cfg.workers, cfg.cpus_per_worker or 1, cfg.gpu, nodes)
         if problem is None:
             break
@@ -205,6 +210,107 @@ def preflight(cfg: TrainConfig) -> TrainConfig:
             file=sys.stderr,
         )
     return chosen
+
+
+GPU_MEMORY_GIB = {
+    "K80": 12, "P4": 8, "P100": 16, "V100": 32, "T4": 16, "A10G": 24, "L4": 24, "L40S": 48,
+    "A100": 80, "A100-40G": 40, "A100-80G": 80, "H100": 94, "H200": 141, "H20": 141,
+    "B200": 192, "GB200": 192, "B300": 288, "GB300": 288, "RTX-PRO-6000": 96,
+}
+"""Memory of one GPU of each of Ray's accelerator_type labels, the largest where a label covers
+several sizes (V100 16/32, A100 40/80, H100 80/94): an upper bound, so a refusal on it is never wrong."""
+
+
+def local_gpu_mib() -> float | None:
+    """The smallest GPU memory on this machine, from NVML: no CUDA context, which a driver would
+    otherwise hold on GPU 0 for the whole run. None without a GPU or NVML."""
+    try:
+        import ray._private.thirdparty.pynvml as nvml  # Ray's own copy, as Ray counts GPUs with it
+
+        nvml.nvmlInit()
+        try:
+            sizes = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total
+                     for i in range(nvml.nvmlDeviceGetCount())]
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:  # no driver, no GPU, or Ray moved its copy: the estimate is printed unchecked
+        return None
+    return min(sizes) / 2**20 if sizes else None
+
+
+def gpu_mib(nodes: list[dict], local: bool) -> tuple[float, str] | None:
+    """(MiB, what it is) of the smallest GPU the run may get, or None if unknown: measured on this
+    machine for a local run, else from the accelerator_type labels Ray gives GPU nodes."""
+    if local and (measured := local_gpu_mib()):
+        return measured, "this machine's GPUs"
+    sizes = []
+    for node in nodes:
+        if not node.get("GPU"):
+            continue
+        labels = [key.split(":", 1)[1] for key in node if key.startswith("accelerator_type:")]
+        known = [(GPU_MEMORY_GIB[label] * 1024, label) for label in labels if label in GPU_MEMORY_GIB]
+        if not known:
+            return None  # a GPU of unknown size: nothing certain to say
+        sizes.append(min(known))  # "A100" and "A100-40G" on one node: the exact one is the smaller
+    if not sizes:
+        return None
+    mib, label = min(sizes)
+    return mib, f"the cluster's {label} GPUs"
+
+
+def ranks_per_node(cfg: TrainConfig, nodes: list[dict]) -> int | None:
+    """How many ranks a node will hold, as the placement puts them; None without the nodes."""
+    fits = [int(n.get("GPU", 0)) if cfg.gpu else int(n.get("CPU", 0) // (cfg.cpus_per_worker or 1)) for n in nodes]
+    fits = [f for f in fits if f > 0]
+    if not fits:
+        return None
+    if cfg.placement == "spread":
+        return min(-(-cfg.workers // len(fits)), max(fits))
+    return min(cfg.workers, max(fits))
+
+
+def size(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
+
+
+def state_preflight(cfg: TrainConfig, given_model: Any = None, nodes: list[dict] | None = None) -> None:
+    """Say, in one line, about how much model state (parameters, gradients, optimizer state) each
+    rank will hold, under this strategy and the other, from the model built on the meta device.
+    With --gpu, refuse a run whose state alone exceeds the GPU memory, and warn when it takes over
+    half of it (activations need the rest), naming --strategy fsdp. `nodes` None: no cluster yet
+    (--dry-run); then only a local GPU is looked at."""
+    from raytrain_ddp import resume, strategy
+
+    model = resume.build_on_meta(cfg, given_model, resume.dataset_channels(cfg) or 3)
+    world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
+    per_node = ranks_per_node(cfg, nodes or [])
+    mine = strategy.estimate_state_mib(model, cfg, world, per_node)
+    other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full")
+    theirs = strategy.estimate_state_mib(model, other, world, per_node)
+    name = "ddp" if cfg.strategy == "ddp" else f"fsdp --sharding {cfg.sharding}"
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model state: {params / 1e6:.1f}M parameters; with their gradients and {cfg.optimizer} state about "
+        f"{size(mine)} per rank under --strategy {name} at {world} ranks ({other.strategy}: {size(theirs)}), "
+        "before activations",
+        file=sys.stderr,
+    )
+    memory = gpu_mib(nodes or [], local=ray_address(cfg) is None) if cfg.gpu else None
+    if memory is None or mine <= memory[0] / 2:
+        return
+    gpu_total, gpus = memory
+    if cfg.strategy == "ddp":
+        fix = f"pass --strategy fsdp (about {size(theirs)} per rank at {world} ranks"
+        fix += ")" if theirs <= gpu_total / 2 else "; add --workers: the share falls as 1/N)"
+    else:
+        fix = "add --workers: each rank's share falls as 1/N" + (", or use --sharding full" if cfg.sharding != "full" else "")
+    if mine > gpu_total:
+        raise ConfigError(
+            f"--strategy {name} needs about {size(mine)} per GPU for the model state alone, more than the "
+            f"{size(gpu_total)} of {gpus}; {fix}"
+        )
+    print(f"warning: the model state, about {size(mine)} per GPU, leaves less than half of the {size(gpu_total)} of "
+          f"{gpus} for activations; {fix}", file=sys.stderr)
 
 
 def on_this_node() -> Any:

@@ -16,25 +16,20 @@ block (FSDP1's size-based policy). The root is always sharded last, and takes wh
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.models import MODELS
+
+# FSDP, DTensor and DCP are imported where they are used: the driver imports this module for the
+# preflight estimate (estimate_state_mib), and torch.distributed.tensor alone costs it about a second.
 
 MIN_BLOCK_PARAMS = 1_000_000
 """The default FSDP policy's smallest block, in parameters: smaller modules stay with their parent."""
@@ -117,6 +112,8 @@ def mesh(cfg: TrainConfig, device: torch.device, local_world_size: int):
 
 
 def wrap_fsdp(cfg: TrainConfig, model: nn.Module, accum: int, device: torch.device, local_world_size: int) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     model = model.to(device)
     if not dist.is_initialized():  # one rank and no process group: nothing to shard over
         return model
@@ -144,6 +141,8 @@ def wrap(cfg: TrainConfig, model: nn.Module, accum: int, device: torch.device, l
 def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Around one micro-batch's backward: reduce gradients over the ranks only when `sync` (the
     accumulation's last micro-batch); the others add to this rank's gradients locally."""
+    from torch.distributed.fsdp import FSDPModule
+
     if isinstance(model, DistributedDataParallel) and not sync:
         return model.no_sync()
     if isinstance(model, FSDPModule):
@@ -154,6 +153,8 @@ def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale the gradients so their global norm is at most `max_norm`. Under FSDP each rank holds a
     shard of each gradient: the norm of the DTensors is a partial one, summed over the ranks."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(norm, DTensor):
@@ -168,6 +169,8 @@ def whole_model(model: nn.Module) -> Iterator[nn.Module]:
     collective, so ranks with fewer validation batches cannot leave the others waiting. DDP's module
     is whole already (its own forward would broadcast buffers); FSDP's blocks are all-gathered once
     here, in the same order on every rank, and sharded again after."""
+    from torch.distributed.fsdp import FSDPModule
+
     if isinstance(model, DistributedDataParallel):
         yield model.module
         return
@@ -186,6 +189,7 @@ def whole_model(model: nn.Module) -> Iterator[nn.Module]:
 def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     """This rank's parameters, their gradients (one per trainable parameter, as after a step) and
     optimizer state, in MiB; local shards under FSDP."""
+    from torch.distributed.tensor import DTensor
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -197,9 +201,42 @@ def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     return total / 2**20
 
 
+def optimizer_copies(cfg: TrainConfig) -> int:
+    """Tensors of optimizer state per trainable parameter, each its size: AdamW's two moments, SGD's
+    momentum buffer (none without momentum)."""
+    if cfg.optimizer == "adamw":
+        return 2
+    return 1 if cfg.momentum else 0
+
+
+def state_shards(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> int:
+    """Over how many ranks each parameter is split: none under DDP, the world under FSDP, the ranks
+    of one node under hybrid sharding (the nodes hold replicas)."""
+    if cfg.strategy != "fsdp" or world_size < 2:
+        return 1
+    return min(ranks_per_node or world_size, world_size) if cfg.sharding == "hybrid" else world_size
+
+
+def estimate_state_mib(model: nn.Module, cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> float:
+    """What state_mib will measure on the largest rank after a step, from the model's shapes alone
+    (a model on the meta device will do): parameters, a gradient and the optimizer's state per
+    trainable one. FSDP2 splits each parameter along its first dimension in chunks of
+    ceil(rows / shards); rank 0 always holds a full chunk, so it is the largest."""
+    shards = state_shards(cfg, world_size, ranks_per_node)
+    per_trainable = 2 + optimizer_copies(cfg)  # itself, its gradient, the optimizer's copies
+    total = 0
+    for p in model.parameters():
+        rows = math.ceil(p.shape[0] / shards) if p.dim() else 1
+        local = rows * math.prod(p.shape[1:]) * p.element_size()
+        total += local * (per_trainable if p.requires_grad else 1)
+    return total / 2**20
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(model, optimizer) state dicts whole, the format of a DDP checkpoint's state.pt (rank 0
     saves them), or None under FSDP, whose state goes to sharded files (sharded_state)."""
+    from torch.distributed.fsdp import FSDPModule
+
     if isinstance(model, FSDPModule):
         return None
     return getattr(model, "module", model).state_dict(), optimizer.state_dict()
@@ -208,6 +245,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's shards of the model and optimizer state, keyed by parameter name, as DCP saves
     and loads them (any world size, any strategy)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
@@ -215,6 +254,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     """Load DCP files into this rank's model and optimizer, whatever world size or strategy saved
     them: DCP reads the pieces of every saved shard that this rank's own shards cover."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     state = sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(directory))
@@ -225,6 +265,9 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
     """Load whole state dicts (a DDP checkpoint's state.pt, every rank has them) into the model and
     optimizer; under FSDP each rank keeps its shard of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
     if not isinstance(model, FSDPModule):
         getattr(model, "module", model).load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -243,4 +286,6 @@ def load_full(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: d
 
 def whole_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's whole state dict on every rank (an all-gather under FSDP), for tests and export."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

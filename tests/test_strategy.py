@@ -172,6 +172,64 @@ def test_fsdp_holds_at_most_0_6x_of_ddps_state_per_rank(each_way):
     assert each_way["grad-op"][2] <= 0.6 * each_way["ddp"][2]
 
 
+@pytest.mark.parametrize("name", ["ddp", "full", "grad-op", "hybrid"])
+def test_the_preflight_estimate_is_what_the_ranks_measured(each_way, name):
+    """estimate_state_mib from the shapes alone = state_mib on the largest of the 2 real ranks."""
+    cfg = config(**ADAMW) if name == "ddp" else config(**ADAMW, strategy="fsdp", sharding=name)
+    with torch.device("meta"):
+        model = Net()
+    assert strategy.estimate_state_mib(model, cfg, world_size=2, ranks_per_node=1) == pytest.approx(each_way[name][2], rel=1e-9)
+
+
+def test_the_estimate_of_torchvision_resnet50():
+    """25,557,032 parameters (torchvision's count for ImageNet's 1000 classes), 4 bytes each; SGD
+    with momentum keeps one buffer, AdamW two; FSDP's 8 shards are an eighth, give or take the
+    rows of a chunk rounded up."""
+    from raytrain_ddp.models import MODELS
+
+    with torch.device("meta"):
+        model = MODELS["resnet50"](num_classes=1000, in_channels=3)
+    params_mib = 25_557_032 * 4 / 2**20
+    sgd, adamw, plain = config(model="resnet50"), config(model="resnet50", optimizer="adamw"), config(model="resnet50", momentum=0.0)
+    assert strategy.estimate_state_mib(model, sgd, world_size=8) == pytest.approx(3 * params_mib)
+    assert strategy.estimate_state_mib(model, adamw, world_size=8) == pytest.approx(4 * params_mib)
+    assert strategy.estimate_state_mib(model, plain, world_size=8) == pytest.approx(2 * params_mib)
+    sharded = strategy.estimate_state_mib(model, config(model="resnet50", strategy="fsdp"), world_size=8)
+    assert 3 * params_mib / 8 <= sharded < 1.01 * 3 * params_mib / 8
+    hybrid = config(model="resnet50", strategy="fsdp", sharding="hybrid")
+    assert strategy.estimate_state_mib(model, hybrid, world_size=8, ranks_per_node=4) == pytest.approx(2 * sharded, rel=0.01)
+
+
+def huge(num_classes: int, in_channels: int) -> nn.Module:
+    """1.34B parameters (5 x 16384^2): with AdamW 20 GiB of state, more than a T4's 16 GiB."""
+    return nn.Sequential(*[nn.Linear(16384, 16384, bias=False) for _ in range(5)])
+
+
+T4_NODES = [{"CPU": 16.0, "GPU": 4.0, "accelerator_type:T4": 1.0}] * 2
+"""Two nodes of 4 T4s (16 GiB each), as Ray lists their resources."""
+
+
+def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
+    from raytrain_ddp.cluster import state_preflight
+    from raytrain_ddp.config import ConfigError
+
+    # an address, so a GPU on the machine running the test is not taken for the cluster's
+    big = {"model": "mine:huge", "optimizer": "adamw", "gpu": True, "workers": 8, "address": "10.0.0.1:6379"}
+    with pytest.raises(ConfigError, match=r"ddp needs about 20\.0 GiB per GPU for the model state alone, more than the "
+                                          r"16\.0 GiB of the cluster's T4 GPUs; pass --strategy fsdp \(about 2\.5 GiB per rank at 8 ranks\)$"):
+        state_preflight(TrainConfig(**big), huge, T4_NODES)
+    state_preflight(TrainConfig(**big, strategy="fsdp"), huge, T4_NODES)  # an eighth each: it fits
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "model state: 1342.2M parameters; with their gradients and adamw state about 2.5 GiB per rank under "
+        "--strategy fsdp --sharding full at 8 ranks (ddp: 20.0 GiB), before activations")
+    with pytest.raises(ConfigError, match=r"fsdp --sharding full needs about 20\.0 GiB .*; add --workers"):
+        state_preflight(TrainConfig(**{**big, "workers": 1}, strategy="fsdp"), huge, T4_NODES)  # one rank holds it all
+    state_preflight(TrainConfig(**{**big, "optimizer": "sgd", "momentum": 0.0}), huge, T4_NODES)  # 10 of 16 GiB
+    assert "warning: the model state, about 10.0 GiB per GPU, leaves less than half" in capsys.readouterr().err
+    state_preflight(TrainConfig(**big), huge, [{"CPU": 16.0, "GPU": 4.0}])  # a GPU of unknown size: the line only
+    assert "about 20.0 GiB per rank under --strategy ddp at 8 ranks" in capsys.readouterr().err
+
+
 def accumulate_and_clip(rank: int, cfg: TrainConfig) -> dict:
     model = wrapped(cfg)
     optimizer = make_optimizer(cfg, model)
