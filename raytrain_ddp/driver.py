@@ -194,6 +194,7 @@ def finish_run(
         "wall_time_s": round(time.time() - started, 3),
         "first_step_unix": info.get("first_step_unix"),
         "startup": startup_summary(startup) if startup else None,
+        "profile": [line for _, line in sorted(info.get("profiles", {}).items())] or None,  # --profile, by rank
         "resizes": [{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
         "config": cfg.to_dict(),
     }
@@ -318,6 +319,9 @@ class Watcher(threading.Thread):
             marks = {**self.marks, **info["startup"], "first step": info["first_step_unix"]}
             self.startup = stages(self.begin, marks, RUN_STAGES)
             self.display.print(stages_line(self.startup))
+        for rank, line in sorted(info.get("profiles", {}).items()):
+            if line != self.info.get("profiles", {}).get(rank):
+                self.display.print(line)
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
 

@@ -33,6 +33,7 @@ from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
 from raytrain_ddp.models import model_builder
+from raytrain_ddp.profiling import Profiler
 
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""
@@ -150,7 +151,8 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
         for row in rows:
             sink.epoch.remote(row)
 
-    # [5] Epochs.
+    # [5] Epochs. --profile records micro-batches of the first pass (profiling.py); off, it does nothing.
+    profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line))
     drain_saved = False  # a node drain announced by Ray was answered with a checkpoint
     for epoch in range(resume.epoch, cfg.epochs + 1):
         start = resume.position if epoch == resume.epoch else 0
@@ -172,7 +174,8 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
         # resume never meets half-accumulated gradients.
         control, stopping, drain_news = 1, False, False  # the first agreement also measures the pace
         for step, (inputs, labels) in enumerate(loaders.train, start=1):
-            data_wait += time.perf_counter() - step_end
+            waited = time.perf_counter() - step_end
+            data_wait += waited
             inputs = inputs.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             if cuda and inputs.dim() == 4:  # images; flat vectors and sequences stay as they are
@@ -222,7 +225,9 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
                     if rank == 0:
                         sink.stopped.remote(epoch=epoch, step=done + step)
                     return
+            profiler.step(waited)  # before step_end: writing the trace is not the next batch's data wait
             step_end = time.perf_counter()
+        profiler.finish()  # the first pass only: no validation or checkpoint inside a profiled step
         train_time += time.perf_counter() - tick
         stop, _, _ = agree_to_stop(rank, sink, bad_step, bad_loss_patience, epoch, pass_start)
         stop = stop or stopping  # asked for after the epoch's last agreement

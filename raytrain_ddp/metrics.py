@@ -108,6 +108,10 @@ class Sink:
         """Ray announced a node drain (a preemption); the ranks checkpointed and train on."""
         self.run["drain_saved"] = [epoch, position]
 
+    def profiled(self, rank: int, line: str) -> None:
+        """A rank's --profile line (profiling.py), for the driver to show."""
+        self.run.setdefault("profiles", {})[rank] = line
+
     def stopped(self, epoch: int, step: int) -> None:
         self.run["stopped_at"] = [epoch, step]
 

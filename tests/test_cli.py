@@ -9,6 +9,7 @@ import pytest
 from conftest import HEAD_CPUS, TINY, raytrain
 
 from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
+from raytrain_ddp.startup import RUN_STAGES, stages_line
 
 
 @pytest.mark.e2e
@@ -39,6 +40,7 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     config.write_text("workers: 2\noptimizer: adamw\nlr: 0.003\nscheduler: step\nname: from-file\n")
     # A tracking server that is down costs a warning, not the run.
     dead_tracker = {**ray_head.env, "MLFLOW_TRACKING_URI": "http://127.0.0.1:1"}
+    launched = time.time()
     proc = raytrain(
         "run", "--config", str(config), "--name", "from-flag", "--storage-path", str(tmp_path), *TINY,
         "--tensorboard", "--mlflow", env=dead_tracker,
@@ -50,6 +52,14 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert summary["config"]["optimizer"] == "adamw" and summary["config"]["name"] == "from-flag"
     assert len(summary["node_ips"]) == 2 and len(set(summary["node_ips"])) == 1  # one machine
     assert "epoch 1/1" in proc.stdout  # plain progress lines for .out files
+    # One start-up line at the first step, before the epoch's; summary.json has the same stages, and
+    # they add up to the time from the command's start to its first step (driver and rank 0 stitched).
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("start-up ")]
+    assert proc.stdout.index(line) < proc.stdout.index("epoch 1/1")
+    stages = summary["startup"]["stages"]
+    assert list(stages) == list(RUN_STAGES) and line == stages_line(stages)
+    assert all(seconds >= 0 for seconds in stages.values()) and stages["workers"] > 0
+    assert summary["startup"]["total_s"] == pytest.approx(summary["first_step_unix"] - launched, abs=1.0)
 
     run_dir = tmp_path / "from-flag"
     # metrics.parquet holds the same rows as metrics.csv; TensorBoard got the scalars.

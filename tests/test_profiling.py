@@ -1,0 +1,97 @@
+"""--profile: the real torch.profiler around real steps of a small model, in this process (the
+end-to-end run with two gloo ranks is in test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, raytrain
+
+from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.models import MODELS
+from raytrain_ddp.profiling import Profiler, overlap, union
+
+LINE = re.compile(
+    r"profile rank 0: 2 steps of [\d.]+ ms: data (\d+)%, compute (\d+)%, communication (\d+)%; "
+    r"top ops (\S+ [\d.]+ ms, ){2}\S+ [\d.]+ ms per step -> (\S+)"
+)
+
+
+def train(profile: str | None, tmp_path, steps: int = 6) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """`steps` SGD steps of the convnet, under Profiler as the worker loop runs it; its lines and weights."""
+    cfg = TrainConfig(profile=profile, storage_path=str(tmp_path), name="p")
+    torch.manual_seed(0)
+    model = MODELS["convnet"](10, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    lines: list[str] = []
+    profiler = Profiler(cfg, 0, torch.device("cpu"), steps, report=lines.append)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        inputs, labels = torch.randn(16, 3, 32, 32, generator=data), torch.randint(0, 10, (16,), generator=data)
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        optimizer.step()
+        profiler.step(0.001)
+    profiler.finish()
+    return lines, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_profile_writes_a_trace_and_one_line_and_trains_the_same(tmp_path):
+    lines, profiled = train("1:1:2", tmp_path / "on")
+    [line] = lines
+    match = LINE.fullmatch(line)
+    assert match, line
+    data, compute, communication = map(int, match.groups()[:3])
+    assert communication == 0 and data + compute in (99, 100, 101)  # one process: nothing to communicate
+    assert match.group(5) == str(tmp_path / "on" / "p" / "profile")
+    [trace] = (tmp_path / "on" / "p" / "profile").glob("rank0.*.pt.trace.json")  # the name TensorBoard looks for
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names  # warmup not kept
+
+    _, plain = train(None, tmp_path / "off")
+    assert not (tmp_path / "off" / "p").exists()
+    assert all(torch.equal(profiled[k], plain[k]) for k in plain)  # bit for bit: profiling trains nothing else
+
+
+def test_a_profile_longer_than_an_epoch_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--profile 5:2:3 needs 10 micro-batches, but an epoch here has 8 per rank"):
+        Profiler(TrainConfig(profile="5:2:3", storage_path=str(tmp_path), name="p"), 0, torch.device("cpu"), 8, print)
+
+
+def test_communication_counts_overlapping_collectives_once():
+    merged = union([(5.0, 8.0), (0.0, 2.0), (1.0, 3.0), (7.0, 9.0)])
+    assert merged == [(0.0, 3.0), (5.0, 9.0)]
+    assert overlap(merged, (2.0, 6.0)) == 2.0  # 2..3 and 5..6
+
+
+@pytest.mark.e2e
+def test_profile_run_writes_every_ranks_trace_and_line(ray_head, tmp_path):
+    """One tiny run of 4 micro-batches per rank, all profiled but the first (wait) and second (warmup).
+    That the profile changes no weight is the in-process test above: it is torch.profiler, around the
+    same loop, and a second Ray run only to compare losses costs CI half a minute."""
+    proc = raytrain("run", "--workers", "2", "--name", "prof", "--storage-path", str(tmp_path), *TINY,
+                    "--profile", "1:1:2", env=ray_head.env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("profile rank")]
+    assert [line.split(":")[0] for line in lines] == ["profile rank 0", "profile rank 1"], proc.stdout
+    for line in lines:
+        shares = dict(re.findall(r"(data|compute|communication) (\d+)%", line))
+        assert abs(sum(map(int, shares.values())) - 100) <= 1, line
+        assert int(shares["communication"]) > 0, line  # gloo all-reduces the gradients of two ranks
+        assert line.endswith(f"-> {tmp_path / 'prof' / 'profile'}")
+    for rank in (0, 1):
+        [trace] = (tmp_path / "prof" / "profile").glob(f"rank{rank}.*.pt.trace.json")
+        names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+        assert {"ProfilerStep#2", "ProfilerStep#3", "gloo:all_reduce"} <= names
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
+    assert summary["profile"] == lines
+
+
+def test_a_bad_profile_is_one_line_and_exit_2():
+    proc = raytrain("run", "--profile", "5:2", "--address", "127.0.0.1:1")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "error: --profile takes WAIT:WARMUP:ACTIVE micro-batches with ACTIVE at least 1, e.g. 5:2:3 (got '5:2')\n"
