@@ -163,6 +163,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
             "probe": str(target.file.relative_to(target.root)),
             "max_restarts": cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0),  # what Ray Train allows
             "run_id": cfg.name,
+            "run_dir": str(run_dir),  # RAYTRAIN_RUN_DIR in the script's environment
             "stop_grace_s": stop_grace_s,
         },
         scaling_config=scaling,

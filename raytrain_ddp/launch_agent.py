@@ -226,8 +226,9 @@ def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_resta
     return {k: str(v) for k, v in env.items()}
 
 
-def child_env(base: dict[str, str], torchrun: dict[str, str], error_file: str) -> dict[str, str]:
-    """The script's whole environment: the worker's, minus Ray's debugger hook, plus torchrun's."""
+def child_env(base: dict[str, str], torchrun: dict[str, str], error_file: str, run_dir: str | None = None) -> dict[str, str]:
+    """The script's whole environment: the worker's, minus Ray's debugger hook, plus torchrun's, and
+    RAYTRAIN_RUN_DIR, the run directory, where a script may put its own outputs (a profiler's traces)."""
     env = {k: v for k, v in base.items() if not (k == "PYTHONBREAKPOINT" and v.startswith(RAY_DEBUGGER))}
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun: a hung NCCL collective fails
     return {
@@ -235,6 +236,7 @@ def child_env(base: dict[str, str], torchrun: dict[str, str], error_file: str) -
         **torchrun,
         "TORCHELASTIC_ERROR_FILE": error_file,  # where torch's @record writes the script's traceback
         "PYTHONUNBUFFERED": "1",  # lines reach the terminal as they are printed, as they do under torchrun
+        **({"RAYTRAIN_RUN_DIR": run_dir} if run_dir else {}),
     }
 
 
@@ -363,7 +365,7 @@ def run_script(loop_config: dict[str, Any]) -> None:
     error_file = os.path.join(error_dir, "error.json")
     env = child_env(
         dict(os.environ), torchrun_env(rank, group["peers"], attempt, loop_config["max_restarts"], loop_config["run_id"]),
-        error_file,
+        error_file, loop_config.get("run_dir"),
     )
 
     # [2] The script, in its own session, so a stop reaches only it and a kill takes its children too.

@@ -64,6 +64,8 @@ def test_child_env_is_torchruns_not_rays():
     assert env["TORCHELASTIC_ERROR_FILE"] == "/tmp/e/error.json" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     mine = child_env({"PYTHONBREAKPOINT": "ipdb.set_trace", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, {}, "f")
     assert mine["PYTHONBREAKPOINT"] == "ipdb.set_trace" and mine["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert "RAYTRAIN_RUN_DIR" not in mine  # only where the driver named one
+    assert child_env({}, {}, "f", "/runs/x")["RAYTRAIN_RUN_DIR"] == "/runs/x"  # where a script's profiler writes
 
 
 def test_carriage_returns_stay_inside_their_line():
