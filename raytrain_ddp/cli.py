@@ -121,17 +121,20 @@ def run(
 
 
 @app.command()
-@train_options(own_flags=("workers",))
+@train_options(own_flags=("workers", "strategy", "sharding"))
 def scale(
     cfg: TrainConfig,
     workers: str = typer.Option("1,2", "--workers", "-w", help="Worker counts to run, e.g. 1,2,4,8."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="Strategies to compare, e.g. ddp,fsdp [default: ddp]."),
+    sharding: Optional[str] = typer.Option(None, "--sharding", help="The fsdp runs' sharding: full, grad-op or hybrid [default: full]."),
     debug: bool = DEBUG,
 ) -> None:
-    """Run the same job at each size; write the scaling table (CSV, Markdown) and plot (PNG)."""
-    from raytrain_ddp.tools.scale import parse_sizes
+    """Run the same job at each size (and strategy); write the scaling table (CSV, Markdown) and plot (PNG)."""
+    from raytrain_ddp.tools.scale import parse_sizes, parse_strategies
     from raytrain_ddp.tools.scale import scale as run_scale
 
-    run_scale(cfg, parse_sizes(workers))
+    # own flags, not TrainConfig's: a list of strategies, and a sharding for the fsdp runs among them
+    run_scale(cfg, parse_sizes(workers), parse_strategies(strategy) if strategy else None, sharding)
 
 
 @app.command("launch", context_settings={"allow_interspersed_args": False})

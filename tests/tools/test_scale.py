@@ -8,17 +8,19 @@ import pytest
 from conftest import TINY, raytrain
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.tools.scale import parse_sizes, table
+from raytrain_ddp.tools.scale import parse_sizes, parse_strategies, table
 
 
-def summary(workers: int) -> dict:
-    config = {"model": "convnet", "dataset": "synthetic", "image_size": 32, "batch_size": 64}
+def summary(workers: int, strategy: str = "ddp") -> dict:
+    config = {"model": "convnet", "dataset": "synthetic", "image_size": 32, "batch_size": 64, "optimizer": "sgd",
+              "strategy": strategy, "sharding": "full"}
     return {"world_size": workers, "backend": "nccl", "config": config}
 
 
-def rows(throughputs: list[float], gpu_mib: float) -> list[dict]:
+def rows(throughputs: list[float], gpu_mib: float, state_mib: float = 1.0) -> list[dict]:
     return [
-        {"train_loss": "0.5", "train_acc": "0.9", "throughput": str(t), "gpu_mem_peak_mib": str(gpu_mib), "cpu_rss_mib": "900"}
+        {"train_loss": "0.5", "train_acc": "0.9", "throughput": str(t), "gpu_mem_peak_mib": str(gpu_mib), "cpu_rss_mib": "900",
+         "model_state_mib": str(state_mib)}
         for t in throughputs
     ]
 
@@ -30,27 +32,46 @@ def test_table_scaling_and_efficiency():
     assert out[1]["throughput_scaling"] == pytest.approx(3.2)
     assert out[1]["efficiency"] == pytest.approx(0.8)
     assert out[1]["memory_scaling"] == pytest.approx(1.1)
-    assert out[1]["config"] == "convnet synthetic 32px bs64/worker nccl"
+    assert out[1]["config"] == "convnet synthetic 32px bs64/worker sgd nccl"
 
 
-def test_parse_sizes():
+def test_each_strategy_scales_against_its_own_smallest_run():
+    out = table(
+        [summary(1), summary(2), summary(1, "fsdp"), summary(2, "fsdp")],
+        [rows([100], 1000, 12.0), rows([180], 1000, 12.0), rows([50], 900, 12.0), rows([90], 600, 6.0)],
+    )
+    assert [r["strategy"] for r in out] == ["ddp", "ddp", "fsdp full", "fsdp full"]
+    assert [r["efficiency"] for r in out] == pytest.approx([1.0, 0.9, 1.0, 0.9])
+    assert [r["model_state_mib"] for r in out] == [12.0, 12.0, 12.0, 6.0]
+    assert out[3]["memory_scaling"] == pytest.approx(600 / 900)
+
+
+def test_parse_sizes_and_strategies():
     assert parse_sizes("4,1,2") == [1, 2, 4]
     for bad in ("", "0,1", "a,b", "2,2"):
         with pytest.raises(ConfigError):
             parse_sizes(bad)
+    assert parse_strategies("fsdp, ddp") == ["fsdp", "ddp"]
+    for bad in ("", "ddp,ddp", "ddp,zero3"):
+        with pytest.raises(ConfigError):
+            parse_strategies(bad)
 
 
 @pytest.mark.e2e
 def test_scale_study(ray_head, tmp_path):
-    proc = raytrain("scale", "--workers", "1,2", *TINY, "--epochs", "2", "--storage-path", str(tmp_path),
-                    "--name", "study", env=ray_head.env, timeout=400)
+    """Both strategies at both sizes: 4 one-epoch runs, the study's table, plot and run directories."""
+    proc = raytrain("scale", "--workers", "1,2", "--strategy", "ddp,fsdp", *TINY, "--storage-path", str(tmp_path),
+                    "--name", "study", env=ray_head.env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     study = tmp_path / "study"
     with open(study / "scale.csv") as f:
         table_rows = list(csv.DictReader(f))
-    assert [r["workers"] for r in table_rows] == ["1", "2"]
-    assert float(table_rows[0]["throughput_scaling"]) == 1.0
-    assert float(table_rows[1]["throughput"]) > 0
-    assert (study / "scale.md").read_text().startswith("| workers | config |")
+    assert [(r["strategy"], r["workers"]) for r in table_rows] == [("ddp", "1"), ("ddp", "2"), ("fsdp full", "1"), ("fsdp full", "2")]
+    assert float(table_rows[0]["throughput_scaling"]) == float(table_rows[2]["throughput_scaling"]) == 1.0
+    assert all(float(r["throughput"]) > 0 for r in table_rows)
+    state = {(r["strategy"], r["workers"]): float(r["model_state_mib"]) for r in table_rows}
+    assert state["ddp", "2"] == pytest.approx(state["ddp", "1"])  # a whole replica per rank
+    assert state["fsdp full", "2"] < 0.6 * state["fsdp full", "1"]  # half of it per rank
+    assert (study / "scale.md").read_text().startswith("| strategy | workers | config |")
     assert (study / "scale.png").stat().st_size > 10_000
-    assert (study / "workers-2" / "summary.json").exists()
+    assert (study / "fsdp-workers-2" / "summary.json").exists()
