@@ -27,7 +27,7 @@ import yaml
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.metrics import read_csv
-from raytrain_ddp.startup import RUN_STAGES, stages
+from raytrain_ddp.startup import RUN_STAGES, stages, stages_line
 from raytrain_ddp.tools.head import local_head
 from raytrain_ddp.tools.scale import steady
 
@@ -117,3 +117,34 @@ def stages_table(results: dict[str, list[dict[str, Any]]]) -> str:
             cells.append(statistics.median(found) if found else None)
         lines.append(f"{variant:<26}" + "".join("-".rjust(w) if c is None else f"{c:>{w}.1f}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
+
+
+def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, float]]]:
+    # Medians over alternating rounds; the table reports them with every run's figure.
+    # Fixed threads per worker, so raytrain's workers and torchrun's run alike (no CPU share).
+    cfg = dataclasses.replace(
+        cfg, progress="none", address=None, cpus_per_worker=cfg.cpus_per_worker or 1, placement=cfg.placement or "pack"
+    )
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
+        num_cpus=cfg.workers * cfg.cpus_per_worker, num_gpus=cfg.workers if cfg.gpu else 0
+    ) as head:
+        workdir = Path(tmp)
+        for round_ in range(1, rounds + 1):
+            for variant in VARIANTS:
+                if variant == "torchrun":
+                    result = run_torchrun(cfg)
+                elif variant == "raytrain fresh Ray":
+                    result = run_raytrain(cfg, plain_env(cfg), workdir, f"fresh-{round_}")
+                else:
+                    result = run_raytrain(cfg, head.env, workdir, f"running-{round_}")
+                results[variant].append(result)
+                print(
+                    f"round {round_}/{rounds} {variant:<22} first step {result['first_step_s']:.1f} s, "
+                    f"{result['samples_per_s']:.1f} samples/s, {result['rss_mib']:.0f} MiB"
+                    + (f", GPU {result['gpu_mib']:.0f} MiB" if result.get("gpu_mib") is not None else "")
+                    + f"\n  {stages_line(result['stages'])}",
+                    flush=True,
+                )
+    print(report(results))
+    return results
