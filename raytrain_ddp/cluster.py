@@ -291,7 +291,7 @@ def state_preflight(cfg: TrainConfig, given_model: Any = None, nodes: list[dict]
     params = sum(p.numel() for p in model.parameters())
     print(
         f"model state: {params / 1e6:.1f}M parameters; with their gradients and {cfg.optimizer} state about "
-        f"{size(mine)} per rank under --strategy {name} at {world} ranks ({other.strategy}: {size(theirs)}), "
+        f"{size(mine)} per rank under --strategy {name} at {world} rank{'s' if world > 1 else ''} ({other.strategy}: {size(theirs)}), "
         "before activations",
         file=sys.stderr,
     )

@@ -117,9 +117,14 @@ def wrap_fsdp(cfg: TrainConfig, model: nn.Module, accum: int, device: torch.devi
     model = model.to(device)
     if not dist.is_initialized():  # one rank and no process group: nothing to shard over
         return model
-    # bf16 compute halves the all-gathers; gradients are reduced and the optimizer steps in fp32
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" and cfg.amp else MixedPrecisionPolicy()
+    # Blocks compute in the loop's autocast dtype (half the all-gathers); gradients are reduced and the
+    # optimizer steps in fp32. fp16 (GPUs without native bf16) is safe with the loop's plain
+    # GradScaler: FSDP's gradients are DTensors, whose inf check is reduced over the shards, so every
+    # rank skips the same steps (tests/test_strategy.py checks it on CPU).
+    precision = MixedPrecisionPolicy()
+    if device.type == "cuda" and cfg.amp:
+        half = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        precision = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     options = {
         "mesh": mesh(cfg, device, local_world_size),
         "mp_policy": precision,

@@ -144,12 +144,23 @@ def train_each_way(rank: int, configs: dict[str, TrainConfig]) -> dict[str, tupl
 ADAMW = {"optimizer": "adamw", "lr": 0.01}
 
 
+def one_after_another(rank: int, calls: list[tuple]) -> list:
+    """Each (target, args) in turn on this one group, their results in order."""
+    return [target(rank, *args) for target, args in calls]
+
+
 @pytest.fixture(scope="module")
-def each_way() -> dict[str, tuple[list[float], dict, float]]:
+def shared_group() -> list:
+    """The checks that need no group of their own, on one: starting two processes with torch costs seconds."""
+    configs = {"ddp": config(**ADAMW)} | {s: config(**ADAMW, strategy="fsdp", sharding=s) for s in ("full", "grad-op", "hybrid")}
+    return run_ranks(one_after_another, [(train_each_way, (configs,)), (overflow_on_rank_1, (config(strategy="fsdp"),))])
+
+
+@pytest.fixture(scope="module")
+def each_way(shared_group) -> dict[str, tuple[list[float], dict, float]]:
     """DDP and the three FSDP shardings, the same seed, data and AdamW steps. hybrid here is 2
     replicas of 1 shard (local_world_size 1): its all-reduce across replicas is what is tested."""
-    configs = {"ddp": config(**ADAMW)} | {s: config(**ADAMW, strategy="fsdp", sharding=s) for s in ("full", "grad-op", "hybrid")}
-    return run_ranks(train_each_way, configs)
+    return shared_group[0]
 
 
 @pytest.mark.parametrize("sharding", ["full", "grad-op", "hybrid"])
@@ -267,6 +278,31 @@ def test_evaluation_under_fsdp_finishes_on_uneven_shards():
     expected = evaluate(Net(), batches(3, 8, seed=2), CPU, None)
     assert count == 24
     assert (loss, accuracy) == pytest.approx(expected[:2], rel=1e-5)
+
+
+def overflow_on_rank_1(rank: int, cfg: TrainConfig) -> list[list[float]]:
+    """One fp16-style step with a loss scaler, after an inf lands in rank 1's gradient shard only:
+    [stepped, scale after] of each rank."""
+    model = wrapped(cfg)
+    optimizer = make_optimizer(cfg, model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # the loop's GradScaler("cuda"), on CPU
+    x, y = batches(1, 32)[0]
+    forward_backward(model, x.chunk(2)[rank], y.chunk(2)[rank], None, scaler, 0.0, weight=1.0, sync=True)
+    first = next(model.parameters())
+    if rank == 1:
+        first.grad.to_local().view(-1)[0] = float("inf")
+    before = first.to_local().clone()
+    apply_gradients(model, optimizer, scaler, cfg.clip_grad_norm)
+    mine = torch.tensor([float(not torch.equal(before, first.to_local())), scaler.get_scale()])
+    both = [torch.zeros(2), torch.zeros(2)]
+    dist.all_gather(both, mine)
+    return [t.tolist() for t in both]
+
+
+def test_a_loss_scaler_under_fsdp_skips_the_step_on_every_rank(shared_group):
+    """fp16 under FSDP (GPUs without bf16) uses the loop's plain GradScaler: an overflow in one rank's
+    shard must skip the step on all ranks (and halve the scale on all), or their shards would drift apart."""
+    assert shared_group[1] == [[0.0, 512.0], [0.0, 512.0]]
 
 
 def save_sharded(rank: int, cfg: TrainConfig, directory: str) -> dict:
