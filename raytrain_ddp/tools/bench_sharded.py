@@ -8,8 +8,9 @@ at step --save-at, as the loop does (checkpoint.save's writes, without Ray's upl
 
 - ddp:        rank 0 writes the whole state with torch.save; the others wait at the next collective
 - fsdp-sync:  every rank writes its shards (dcp.save) and training waits for the files
-- fsdp-async: every rank stages a copy of its shards (dcp.async_save) and trains on while a thread
-  writes them; the files are complete when the future is done
+- fsdp-async: every rank stages a copy of its shards (dcp.async_save, through checkpoint.write_shards
+  as the loop calls it) and trains on while a thread writes them; the files are complete when the
+  future is done
 
 Printed per variant: the median step without a save, the save step's time over it (the stall),
 and for async the seconds until the files were complete; and model_state_mib per rank.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -30,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from raytrain_ddp import strategy
+from raytrain_ddp import checkpoint, strategy
 from raytrain_ddp.config import TrainConfig
 
 VARIANTS = ("ddp", "fsdp-sync", "fsdp-async")
@@ -76,8 +78,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, varian
                         torch.save({"model": whole[0], "optimizer": whole[1]}, Path(tmp) / "state.pt")
                 elif variant == "fsdp-sync":
                     dcp.save(strategy.sharded_state(model, optimizer), checkpoint_id=target)
-                else:
-                    pending = dcp.async_save(strategy.sharded_state(model, optimizer), checkpoint_id=target)
+                else:  # the loop's own call: DCP's writer thread gets a gloo group of its own, as it must
+                    # (on the default group its collectives would interleave with training's, and crash)
+                    pending = checkpoint.write_shards(strategy.sharded_state(model, optimizer), target)
             if pending is not None and pending.done():
                 pending.result()
                 pending, written_after = None, time.perf_counter() - save_start
@@ -119,9 +122,19 @@ def main() -> None:
         procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, args, variant, out)) for r in range(args.ranks)]
         for p in procs:
             p.start()
-        result = out.get()
+        result = None
+        while result is None and not any(p.exitcode for p in procs):
+            try:
+                result = out.get(timeout=5)
+            except queue.Empty:  # a rank that died (killed for memory, say) would leave us waiting forever
+                pass
         for p in procs:
-            p.join()
+            p.join(timeout=None if result else 30)
+            if p.is_alive():
+                p.kill()
+        if result is None:
+            print(f"| {variant} | failed: rank exit codes {[p.exitcode for p in procs]} | | | | |", flush=True)
+            continue
         times = result["times"]
         plain = statistics.median(t for i, t in enumerate(times, 1) if i not in (1, args.save_at))
         saved = times[args.save_at - 1]
