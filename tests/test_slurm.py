@@ -237,6 +237,13 @@ ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/das
 raytrain run --workers 2 --epochs 1 --storage-path "$PWD/runs" --name e2e \\
     --dataset synthetic --model convnet --train-samples 512 --val-samples 128 --batch-size 32
 status=$?
+# FSDP's hybrid sharding on the same cluster: 2 ranks per node, sharded within a node, a replica per node.
+if [ "$status" -eq 0 ]; then
+    raytrain run --workers 4 --cpus-per-worker 1 --strategy fsdp --sharding hybrid --epochs 1 \\
+        --storage-path "$PWD/runs" --name hybrid --dataset synthetic --model convnet \\
+        --train-samples 512 --val-samples 128 --batch-size 32 --data-workers 0
+    status=$?
+fi
 wait
 exit $status
 """
@@ -356,6 +363,22 @@ def test_trains_with_one_rank_per_node(lab: Lab, train_job: Job) -> None:
     # Chosen, not asked for: an equal share of the allocation's CPUs, threads included.
     assert "layout: 2 workers x 2 CPUs (threads), spread over 2 nodes of 2+2 CPUs" in train_job.log
     assert summary["config"]["cpus_per_worker"] == 2 and summary["config"]["placement"] == "spread"
+
+
+def test_hybrid_sharding_shards_within_each_node(lab: Lab, train_job: Job) -> None:
+    """--sharding hybrid at 2 nodes x 2 ranks: the mesh's shard groups are the ranks of one node
+    (Ray numbers a node's ranks together), so each rank holds half of a replica's state."""
+    assert train_job.state == "COMPLETED", train_job.log
+    summary = json.loads((lab.work / "runs" / "hybrid" / "summary.json").read_text())
+    ips = summary["node_ips"]
+    assert summary["world_size"] == 4 and ips[0] == ips[1] != ips[2] == ips[3], ips
+    with open(lab.work / "runs" / "hybrid" / "metrics.csv", newline="") as f:
+        hybrid = next(csv.DictReader(f))
+    with open(lab.work / "runs" / "e2e" / "metrics.csv", newline="") as f:
+        whole = next(csv.DictReader(f))  # DDP: a whole replica per rank, the same model and optimizer
+    assert float(hybrid["model_state_mib"]) < 0.6 * float(whole["model_state_mib"])
+    assert float(hybrid["train_loss"]) < 10  # finite: it trained
+    print(f"\nhybrid run: {summary['wall_time_s']:.0f} s in the job")
 
 
 def test_client_without_token_is_refused(lab: Lab, train_job: Job) -> None:
