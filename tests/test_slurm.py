@@ -376,7 +376,8 @@ def test_hybrid_sharding_shards_within_each_node(lab: Lab, train_job: Job) -> No
         hybrid = next(csv.DictReader(f))
     with open(lab.work / "runs" / "e2e" / "metrics.csv", newline="") as f:
         whole = next(csv.DictReader(f))  # DDP: a whole replica per rank, the same model and optimizer
-    assert float(hybrid["model_state_mib"]) < 0.6 * float(whole["model_state_mib"])
+    # half a replica (2 shards per node), not a quarter as sharding over all 4 would give (1.1 MiB, to 0.1)
+    assert 0.4 * float(whole["model_state_mib"]) < float(hybrid["model_state_mib"]) < 0.6 * float(whole["model_state_mib"])
     assert float(hybrid["train_loss"]) < 10  # finite: it trained
     print(f"\nhybrid run: {summary['wall_time_s']:.0f} s in the job")
 
