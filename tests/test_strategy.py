@@ -241,6 +241,14 @@ def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
     assert "about 20.0 GiB per rank under --strategy ddp at 8 ranks" in capsys.readouterr().err
 
 
+def test_dry_run_prints_the_estimate(capsys, tmp_path):
+    from raytrain_ddp.driver import dry_run
+
+    dry_run(TrainConfig(strategy="fsdp", optimizer="adamw", workers=2, storage_path=str(tmp_path)))
+    assert "adamw state about 0.7 MiB per rank under --strategy fsdp --sharding full at 2 ranks (ddp: 1.4 MiB)" \
+        in capsys.readouterr().err
+
+
 def accumulate_and_clip(rank: int, cfg: TrainConfig) -> dict:
     model = wrapped(cfg)
     optimizer = make_optimizer(cfg, model)
