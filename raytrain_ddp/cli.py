@@ -125,8 +125,8 @@ def run(
 def scale(
     cfg: TrainConfig,
     workers: str = typer.Option("1,2", "--workers", "-w", help="Worker counts to run, e.g. 1,2,4,8."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="Strategies to compare, e.g. ddp,fsdp [default: ddp]."),
-    sharding: Optional[str] = typer.Option(None, "--sharding", help="The fsdp runs' sharding: full, grad-op or hybrid [default: full]."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="Strategies to compare, e.g. ddp,fsdp (default: ddp)."),
+    sharding: Optional[str] = typer.Option(None, "--sharding", help="The fsdp runs' sharding: full, grad-op or hybrid (default: full)."),
     debug: bool = DEBUG,
 ) -> None:
     """Run the same job at each size (and strategy); write the scaling table (CSV, Markdown) and plot (PNG)."""
