@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import TrainConfig
 
 COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::|^nccl.*kernel", re.IGNORECASE)
 """Events that are communication: gloo's and NCCL's collectives on the host (gloo runs them in
@@ -36,11 +36,13 @@ class Profiler:
         self.rank, self.cuda, self.report = rank, device.type == "cuda", report
         self.first_active = self.wait + warmup
         if self.first_active + self.active > steps_per_epoch:
-            # A profile that spans epochs would count validation and a checkpoint as a step.
-            raise ConfigError(
-                f"--profile {cfg.profile} needs {self.first_active + self.active} micro-batches, but an epoch "
-                f"here has {steps_per_epoch} per rank; lower WAIT:WARMUP:ACTIVE"
+            # A profile that spans epochs would count validation and a checkpoint as a step. Said, not
+            # raised: a profile must never stop a run (an elastic one may only now have grown).
+            report(
+                f"profile rank {rank}: skipped: --profile {cfg.profile} needs {self.first_active + self.active} "
+                f"micro-batches, but an epoch here has {steps_per_epoch} per rank; lower WAIT:WARMUP:ACTIVE"
             )
+            return
         self.dir = Path(cfg.storage_path) / cfg.name / "profile"  # absolute: resolve_run made it so
         self.dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, raytrain
 
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.models import MODELS
 from raytrain_ddp.profiling import Profiler, overlap, union
 
@@ -57,9 +57,15 @@ def test_profile_writes_a_trace_and_one_line_and_trains_the_same(tmp_path):
     assert all(torch.equal(profiled[k], plain[k]) for k in plain)  # bit for bit: profiling trains nothing else
 
 
-def test_a_profile_longer_than_an_epoch_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"--profile 5:2:3 needs 10 micro-batches, but an epoch here has 8 per rank"):
-        Profiler(TrainConfig(profile="5:2:3", storage_path=str(tmp_path), name="p"), 0, torch.device("cpu"), 8, print)
+def test_a_profile_longer_than_an_epoch_is_skipped_and_said(tmp_path):
+    lines: list[str] = []
+    profiler = Profiler(TrainConfig(profile="5:2:3", storage_path=str(tmp_path), name="p"), 1, torch.device("cpu"), 8,
+                        lines.append)
+    assert lines == ["profile rank 1: skipped: --profile 5:2:3 needs 10 micro-batches, but an epoch here has 8 "
+                     "per rank; lower WAIT:WARMUP:ACTIVE"]
+    profiler.step(0.0)  # off: the loop calls it all the same
+    profiler.finish()
+    assert not (tmp_path / "p").exists()
 
 
 def test_communication_counts_overlapping_collectives_once():
