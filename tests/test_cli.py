@@ -7,6 +7,7 @@ import time
 
 import pytest
 from conftest import HEAD_CPUS, TINY, raytrain
+from test_profiling import check_profiled_run
 
 from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
 from raytrain_ddp.startup import RUN_STAGES, stages_line
@@ -43,7 +44,7 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     launched = time.time()
     proc = raytrain(
         "run", "--config", str(config), "--name", "from-flag", "--storage-path", str(tmp_path), *TINY,
-        "--tensorboard", "--mlflow", env=dead_tracker,
+        "--tensorboard", "--mlflow", "--profile", "1:1:2", env=dead_tracker,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     [warning] = [line for line in proc.stderr.splitlines() if line.startswith("warning: mlflow:")]
@@ -62,6 +63,7 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert summary["startup"]["total_s"] == pytest.approx(summary["first_step_unix"] - launched, abs=1.0)
 
     run_dir = tmp_path / "from-flag"
+    check_profiled_run(proc, run_dir)  # --profile's lines and traces (test_profiling.py)
     # metrics.parquet holds the same rows as metrics.csv; TensorBoard got the scalars.
     import pyarrow.parquet as pq
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

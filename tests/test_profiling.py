@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, raytrain
+from conftest import raytrain
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.models import MODELS
@@ -74,27 +73,23 @@ def test_communication_counts_overlapping_collectives_once():
     assert overlap(merged, (2.0, 6.0)) == 2.0  # 2..3 and 5..6
 
 
-@pytest.mark.e2e
-def test_profile_run_writes_every_ranks_trace_and_line(ray_head, tmp_path):
-    """One tiny run of 4 micro-batches per rank, all profiled but the first (wait) and second (warmup).
-    That the profile changes no weight is the in-process test above: it is torch.profiler, around the
-    same loop, and a second Ray run only to compare losses costs CI half a minute."""
-    proc = raytrain("run", "--workers", "2", "--name", "prof", "--storage-path", str(tmp_path), *TINY,
-                    "--profile", "1:1:2", env=ray_head.env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def check_profiled_run(proc, run_dir) -> None:
+    """What test_cli's existing-cluster run (2 gloo ranks, --profile 1:1:2, 4 micro-batches per rank)
+    must show: a line per rank whose shares add up, with communication in them, and each rank's
+    trace. Folded into that run: a Ray run of its own costs CI half a minute, and that the profile
+    changes no weight is the in-process test above."""
     lines = [line for line in proc.stdout.splitlines() if line.startswith("profile rank")]
     assert [line.split(":")[0] for line in lines] == ["profile rank 0", "profile rank 1"], proc.stdout
     for line in lines:
         shares = dict(re.findall(r"(data|compute|communication) (\d+)%", line))
         assert abs(sum(map(int, shares.values())) - 100) <= 1, line
         assert int(shares["communication"]) > 0, line  # gloo all-reduces the gradients of two ranks
-        assert line.endswith(f"-> {tmp_path / 'prof' / 'profile'}")
+        assert line.endswith(f"-> {run_dir / 'profile'}")
     for rank in (0, 1):
-        [trace] = (tmp_path / "prof" / "profile").glob(f"rank{rank}.*.pt.trace.json")
+        [trace] = (run_dir / "profile").glob(f"rank{rank}.*.pt.trace.json")
         names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
         assert {"ProfilerStep#2", "ProfilerStep#3", "gloo:all_reduce"} <= names
-    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())
-    assert summary["profile"] == lines
+    assert json.loads((run_dir / "summary.json").read_text())["profile"] == lines
 
 
 def test_a_bad_profile_is_one_line_and_exit_2():
