@@ -59,19 +59,19 @@ def test_parse_sizes_and_strategies():
 
 @pytest.mark.e2e
 def test_scale_study(ray_head, tmp_path):
-    """Both strategies at both sizes: 4 one-epoch runs, the study's table, plot and run directories."""
-    proc = raytrain("scale", "--workers", "1,2", "--strategy", "ddp,fsdp", *TINY, "--storage-path", str(tmp_path),
+    """Both strategies at 2 workers: 2 one-epoch runs, the study's table, plot and run directories.
+    (One size keeps CI short; scaling across sizes is the arithmetic tested above.)"""
+    proc = raytrain("scale", "--workers", "2", "--strategy", "ddp,fsdp", *TINY, "--storage-path", str(tmp_path),
                     "--name", "study", env=ray_head.env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     study = tmp_path / "study"
     with open(study / "scale.csv") as f:
         table_rows = list(csv.DictReader(f))
-    assert [(r["strategy"], r["workers"]) for r in table_rows] == [("ddp", "1"), ("ddp", "2"), ("fsdp full", "1"), ("fsdp full", "2")]
-    assert float(table_rows[0]["throughput_scaling"]) == float(table_rows[2]["throughput_scaling"]) == 1.0
+    assert [(r["strategy"], r["workers"]) for r in table_rows] == [("ddp", "2"), ("fsdp full", "2")]
+    assert float(table_rows[0]["throughput_scaling"]) == float(table_rows[1]["throughput_scaling"]) == 1.0
     assert all(float(r["throughput"]) > 0 for r in table_rows)
-    state = {(r["strategy"], r["workers"]): float(r["model_state_mib"]) for r in table_rows}
-    assert state["ddp", "2"] == pytest.approx(state["ddp", "1"])  # a whole replica per rank
-    assert state["fsdp full", "2"] < 0.6 * state["fsdp full", "1"]  # half of it per rank
+    ddp, fsdp = (float(r["model_state_mib"]) for r in table_rows)
+    assert fsdp < 0.6 * ddp  # half a replica per rank, where DDP holds all of it
     assert (study / "scale.md").read_text().startswith("| strategy | workers | config |")
     assert (study / "scale.png").stat().st_size > 10_000
     assert (study / "fsdp-workers-2" / "summary.json").exists()
