@@ -17,6 +17,7 @@ from test_cli import assert_refused
 
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.launch import find_target, parse_ranks
+from raytrain_ddp.startup import LAUNCH_STAGES, stages_line
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
 SNAPSHOT_SCRIPT = REPO / "tests" / "scripts" / "snapshot_train.py"
@@ -53,6 +54,11 @@ def test_torchrun_script_runs_unchanged(ray_head, tmp_path):
     assert f"ranks run in {tmp_path}" in proc.stderr
     summary = json.loads((runs / "t" / "summary.json").read_text())
     assert summary["exit_codes"] == [0, 0] and summary["world_size"] == 2
+    # One start-up line, up to the script's start; summary.json holds the same stages.
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("raytrain: start-up ")]
+    stages = summary["startup"]["stages"]
+    assert list(stages) == list(LAUNCH_STAGES) and line == "raytrain: " + stages_line(stages, " to the script's start")
+    assert stages["workers"] > 0 and stages["script start"] >= 0
 
 
 @pytest.mark.e2e
