@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,12 @@ def raytrain(*args: str, env: dict[str, str] | None = None, timeout: float = 300
 TINY = ["--epochs", "1", "--train-samples", "256", "--val-samples", "64", "--batch-size", "32",
         "--data-workers", "0", "--progress", "plain"]
 """A run small enough for CI: the point is the plumbing, not the model."""
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    """Until a running driver writes `path`; fails with its output if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import raytrain
+from conftest import raytrain, wait_for
 
 from raytrain_ddp.data.torch_ingest import sample_seed
 from raytrain_ddp.metrics import read_csv
@@ -31,14 +31,6 @@ def start(args: list[str], env: dict, cwd: Path | None = None) -> subprocess.Pop
         [sys.executable, "-m", "raytrain_ddp", "run", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
     )
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.2)
 
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, raytrain
+from conftest import TINY, raytrain, wait_for
 
 from raytrain_ddp.driver import describe_resize, resize_reason
 from raytrain_ddp.metrics import Sink, read_csv
@@ -69,14 +69,6 @@ RUN = ["--workers", "2", "--train-samples", "2048", "--val-samples", "256", "--b
 def start(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "raytrain_ddp", "run", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.2)
 
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> str:
