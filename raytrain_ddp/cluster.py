@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -374,3 +375,23 @@ def worker_env() -> dict[str, Any] | None:
     OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
     return {"env_vars": env} if env else None
+
+
+class FitThread(threading.Thread):
+    """trainer.fit() off the main thread; its error, if any, in `error` for the caller to judge.
+
+    In the main thread, Ray Train V2's fit() installs its own SIGINT handler
+    (DataParallelTrainer._register_sigint_handler) over ours: the first Ctrl-C aborts the run at once,
+    with no checkpoint, no summary and no signal to a launched script. It leaves SIGINT alone in any
+    other thread (as under Ray Tune), so the drivers' handlers in the main thread keep Ctrl-C."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(name="raytrain-fit", daemon=True)  # a second Ctrl-C leaves it behind
+        self.trainer = trainer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.trainer.fit()
+        except BaseException as err:  # the caller re-raises or judges it
+            self.error = err

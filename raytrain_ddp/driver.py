@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from raytrain_ddp.cluster import (
+    FitThread,
     check_writable,
     choose_layout,
     connect,
@@ -143,29 +144,17 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
 
 
 def fit(trainer: Any) -> None:
-    """trainer.fit(), from a thread of its own when this is the main thread, which waits for it.
-
-    In the main thread, Ray Train V2's fit() installs its own SIGINT handler
-    (DataParallelTrainer._register_sigint_handler) after ours: the first Ctrl-C aborts the run at once,
-    with no checkpoint and no summary, and ours never runs. It leaves SIGINT alone in any other thread
-    (as under Ray Tune); then Ctrl-C reaches stop_on_signals' handler in the main thread, waiting here."""
+    """trainer.fit(), from a thread of its own (cluster.FitThread) when this is the main thread, which
+    waits for it: then Ctrl-C reaches stop_on_signals' handler here."""
     if threading.current_thread() is not threading.main_thread():
         trainer.fit()
         return
-    failed: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            trainer.fit()
-        except BaseException as err:  # re-raised in the main thread
-            failed.append(err)
-
-    thread = threading.Thread(target=target, name="raytrain-fit", daemon=True)  # a second Ctrl-C leaves it behind
+    thread = FitThread(trainer)
     thread.start()
     while thread.is_alive():
         thread.join(POLL_S)  # signal handlers run between waits; a second Ctrl-C raises out of here
-    if failed:
-        raise failed[0]
+    if thread.error is not None:
+        raise thread.error
 
 
 def finish_run(

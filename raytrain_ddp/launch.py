@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, TextIO
 
 from raytrain_ddp.cluster import (
     ELASTIC_RETRIES,
+    FitThread,
     check_writable,
     choose_layout,
     connect,
@@ -174,9 +174,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     say(f"{size(cfg)} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {run_dir / 'logs'}/rank-N.log")
     printer = Printer(hub, run_dir / "logs", shown, (launched or started, marks))
-    # fit() in a thread of its own: Ray Train puts its own SIGINT handler (an abort of the whole run,
-    # unseen by the scripts) in only when fit() runs in the main thread, so ours stays in place.
-    fit = Fit(trainer)
+    fit = FitThread(trainer)  # so our SIGINT handler stays in place (cluster.FitThread)
     signals.live = True
     fit.start()
     try:
@@ -197,21 +195,6 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
 
 def size(cfg: TrainConfig) -> str:
     return f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
-
-
-class Fit(threading.Thread):
-    """trainer.fit(), off the main thread; its error, if any, for judge()."""
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__(daemon=True)
-        self.trainer = trainer
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.trainer.fit()
-        except BaseException as err:  # judged below, from what the ranks said
-            self.error = err
 
 
 class Signals:
