@@ -286,7 +286,9 @@ def state_preflight(cfg: TrainConfig, given_model: Any = None, nodes: list[dict]
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
     per_node = ranks_per_node(cfg, nodes or [])
     mine = strategy.estimate_state_mib(model, cfg, world, per_node)
-    other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full")
+    # The other strategy, as its own run would be configured (DDP-only options dropped, not refused)
+    other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full",
+                                find_unused_parameters=False)
     theirs = strategy.estimate_state_mib(model, other, world, per_node)
     name = "ddp" if cfg.strategy == "ddp" else f"fsdp --sharding {cfg.sharding}"
     params = sum(p.numel() for p in model.parameters())

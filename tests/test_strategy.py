@@ -249,6 +249,15 @@ def test_dry_run_prints_the_estimate(capsys, tmp_path):
         in capsys.readouterr().err
 
 
+def test_the_estimate_of_a_ddp_only_run_names_fsdp_without_refusing_it(capsys, tmp_path):
+    """--find-unused-parameters is refused under FSDP; the estimate's FSDP figure must not refuse the
+    DDP run that asked for it (test_plugins' flat-vector run failed on it, exit 2)."""
+    from raytrain_ddp.driver import dry_run
+
+    dry_run(TrainConfig(find_unused_parameters=True, workers=2, storage_path=str(tmp_path)))
+    assert "under --strategy ddp at 2 ranks (fsdp: " in capsys.readouterr().err
+
+
 def accumulate_and_clip(rank: int, cfg: TrainConfig) -> dict:
     model = wrapped(cfg)
     optimizer = make_optimizer(cfg, model)
