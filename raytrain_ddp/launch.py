@@ -143,7 +143,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     )
 
     from raytrain_ddp import shipping
-    from raytrain_ddp.launch_agent import LaunchHub, run_script
+    from raytrain_ddp.launch_agent import LaunchHub, ResizeNotice, run_script
 
     placement = shipping.place(target.file, target.root)
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
@@ -154,6 +154,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         return signals.before_start()
     scaling, run_config, _ = trainer_configs(cfg)
     hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote()
+    if cfg.elastic:  # SIGTERM and the grace before Ray Train resizes the group, not a kill
+        run_config.callbacks.append(ResizeNotice(hub, stop_grace_s))
     trainer = DataParallelTrainer(
         run_script,
         train_loop_config={

@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 import ray
+from ray.train.v2._internal.execution.callback import ControllerCallback
 
 POLL_S = 0.2
 """How often an agent sends its child's output on."""
@@ -39,6 +40,10 @@ WAIT_S = 5.0
 """How long one call that waits for a stop may block in the hub before the agent asks again."""
 PEER_FAILED_GRACE_S = 10.0
 """After a peer failed: seconds between SIGTERM and SIGKILL, so no rank waits out a collective."""
+RESIZE_MARGIN_S = 15.0
+"""Beyond the grace: how long Ray Train's controller waits for the ranks' exits before a resize
+(the agents' SIGKILL after the grace, then their reports), so a rank whose agent died already
+delays the resize by a bounded time."""
 NODE_CHECK_S = 1.0
 """How often the hub asks Ray whether a node of the running attempt died or is being drained."""
 RAY_DEBUGGER = "ray.util.rpdb."
@@ -160,6 +165,22 @@ class LaunchHub:
                     self._wake()
                     break
 
+    async def resize(self, world_size: int, timeout_s: float) -> None:
+        """Ray Train is about to restart the worker group at `world_size` ranks: if the last attempt
+        is running and nothing else is stopping it, every rank gets SIGTERM; returns when all have
+        exited (their agents SIGKILL a rank after the grace), or after timeout_s."""
+        attempt = self.attempts.get(self.last) if self.last else None
+        if attempt is None or world_size == attempt["world_size"] or self._abort(self.last) is not None \
+                or len(attempt["exits"]) == attempt["world_size"]:
+            return  # the first start, or a restart after the attempt already failed or was stopped
+        why = (f"room appeared for {world_size} ranks" if world_size > attempt["world_size"]
+               else f"only {world_size} ranks fit now")
+        attempt["resize"] = {"signal": "SIGTERM", "why": why, "peer": False, "kill": False, "resize": True}
+        self._wake()
+        deadline = time.monotonic() + timeout_s
+        while len(attempt["exits"]) < attempt["world_size"] and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+
     def request_stop(self, signal_name: str, kill: bool = False) -> None:
         """The driver was signalled: SIGINT goes on as SIGINT, SIGTERM and SIGUSR1 as SIGTERM; `kill`
         (a second Ctrl-C) is SIGKILL at once."""
@@ -186,6 +207,24 @@ class LaunchHub:
             "stop_signal": self.stop["received"] if self.stop else None,
             "peers": [last["peers"].get(r) for r in range(last["world_size"])] if last else [],
         }
+
+
+class ResizeNotice(ControllerCallback):
+    """In Ray Train's controller, before it resizes the worker group (an elastic run that found room
+    for more ranks, or fits fewer): the running scripts get SIGTERM and the grace, as under torchrun's
+    elastic agent, where Ray Train alone would kill them outright and lose the work since their last
+    snapshot. Ray Train has no public hook here; RunConfig hands callbacks that are not UserCallbacks
+    to the controller as they are, for such uses."""
+
+    def __init__(self, hub: Any, grace_s: float) -> None:
+        self.hub, self.grace_s = hub, grace_s
+
+    def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+        timeout = self.grace_s + RESIZE_MARGIN_S
+        try:
+            ray.get(self.hub.resize.remote(resize_decision.num_workers, timeout), timeout=timeout + RESIZE_MARGIN_S)
+        except Exception:  # never fail the controller over a notice: at worst, Ray Train's kill as before
+            pass
 
 
 def _lost_and_draining_nodes() -> tuple[set[str], set[str]]:

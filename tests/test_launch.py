@@ -18,6 +18,7 @@ from test_cli import assert_refused
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.launch import find_target, parse_ranks
 from raytrain_ddp.startup import LAUNCH_STAGES, stages_line
+from raytrain_ddp.tools.head import joined_node, local_head
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
 SNAPSHOT_SCRIPT = REPO / "tests" / "scripts" / "snapshot_train.py"
@@ -204,6 +205,40 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(ray_head, tmp_pat
     assert "stopped by SIGTERM: rank 1 exited with signal SIGKILL" in stderr
     assert [e["stopped"] for e in events(out, 0) if e["event"] == "end"] == ["SIGTERM"]
     assert events(out, 1)[-1]["event"] == "stubborn"
+
+
+@pytest.mark.e2e
+def test_an_elastic_launch_that_finds_room_stops_every_rank_with_sigterm_and_grows(tmp_path):
+    """`launch --workers 1:2` on a 1-CPU head starts at world size 1; a node joins, and before Ray
+    Train restarts the group at 2 the script gets SIGTERM (not a kill), snapshots where it is, and
+    goes on from there at world size 2, as under `torchrun --nnodes 1:2`."""
+    out, snapshot = tmp_path / "out", tmp_path / "snapshot.pt"
+    with local_head(num_cpus=1) as head:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_ddp", "launch", "--workers", "1:2", "--cpus-per-worker", "1",
+             "--resize-check-s", "2", "--storage-path", str(tmp_path / "runs"), "--name", "grow", str(SNAPSHOT_SCRIPT),
+             "--snapshot", str(snapshot), "--out", str(out), "--epochs", "50", "--epoch-s", "1"],
+            env=head.env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            wait_for_line(driver, "[rank0]: epoch 2 world size 1 ")
+            with joined_node(head, num_cpus=1):
+                stdout, stderr = driver.communicate(timeout=300)
+        finally:
+            driver.kill()
+    assert driver.returncode == 0, stderr[-3000:]
+    assert "attempt 1: every rank got SIGTERM because room appeared for 2 ranks" in stderr, stderr[-3000:]
+    rank0 = events(out, 0)
+    [stopped] = [e for e in rank0 if e["event"] == "end" and e["world_size"] == 1]
+    assert stopped["stopped"] == "SIGTERM" and stopped["epoch"] >= 2, rank0  # told, so it snapshotted
+    [start] = [e for e in rank0 if e["event"] == "start" and e["env"]["WORLD_SIZE"] == "2"]
+    assert start["env"]["TORCHELASTIC_RESTART_COUNT"] == "1", rank0
+    grown = [e for e in rank0 if e["event"] == "resumed" and e["world_size"] == 2]
+    assert grown == [{"event": "resumed", "epoch": stopped["epoch"], "world_size": 2}], rank0  # nothing lost
+    assert rank0[-1] == {"event": "end", "epoch": 50, "world_size": 2, "stopped": None}, rank0
+    assert events(out, 1)[-1] == {"event": "end", "epoch": 50, "world_size": 2, "stopped": None}
+    summary = json.loads((tmp_path / "runs" / "grow" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["exit_codes"] == [0, 0], summary
 
 
 def test_missing_script_is_one_line(tmp_path):
