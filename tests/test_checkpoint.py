@@ -126,7 +126,7 @@ def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(
 
 
 def test_killed_worker_restarts_from_the_checkpoint(ray_head, tmp_path):
-    args = [*RUN, "--epochs", "3", "--max-failures", "1", "--storage-path", str(tmp_path), "--name", "k"]
+    args = [*RUN, "--epochs", "2", "--max-failures", "1", "--storage-path", str(tmp_path), "--name", "k"]
     proc = start(args, ray_head.env)
     run_dir = tmp_path / "k"
     wait_for(run_dir / "metrics.csv", proc)  # epoch 1 done and checkpointed
@@ -134,7 +134,7 @@ def test_killed_worker_restarts_from_the_checkpoint(ray_head, tmp_path):
     os.kill(victim, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    assert [r["epoch"] for r in read_csv(run_dir / "metrics.csv")] == ["1", "2", "3"]
+    assert [r["epoch"] for r in read_csv(run_dir / "metrics.csv")] == ["1", "2"]
     pids = [r["pid"] for r in json.loads((run_dir / "workers.json").read_text())["ranks"]]
     assert victim not in pids  # a new worker group finished the run
 

@@ -125,11 +125,11 @@ def test_a_node_drain_is_answered_with_a_checkpoint_and_the_run_goes_on(tmp_path
     output: list[str] = []
     with local_head(num_cpus=1) as head, joined_node(head, num_cpus=1):
         driver = subprocess.Popen(
-            elastic_run(tmp_path, "drained", 8, "--resize-check-s", "600", "--wait-for-resources", "30"),
+            elastic_run(tmp_path, "drained", 4, "--resize-check-s", "600", "--wait-for-resources", "30"),
             env=head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         try:
-            read_until(driver, "epoch 1/8  train loss", output)  # training on both nodes
+            read_until(driver, "epoch 1/4  train loss", output)  # training on both nodes
             other = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
                                    text=True, timeout=120, check=True).stdout.split()[-1]
             subprocess.run(
@@ -146,7 +146,7 @@ def test_a_node_drain_is_answered_with_a_checkpoint_and_the_run_goes_on(tmp_path
     assert driver.returncode == 0, log[-3000:]
     assert "Ray is draining a node of this run: checkpointed at epoch" in log, log[-3000:]
     rows = read_csv(tmp_path / "drained" / "metrics.csv")
-    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 9)], log[-3000:]
+    assert [r["epoch"] for r in rows] == [str(e) for e in range(1, 5)], log[-3000:]
     assert rows[0]["world_size"] == "2" and rows[-1]["world_size"] == "1", log[-3000:]
     [resize] = json.loads((tmp_path / "drained" / "summary.json").read_text())["resizes"]
     assert (resize["from"], resize["to"]) == (2, 1), resize
