@@ -2,8 +2,8 @@
 simulated on one machine, and two control arms that say which part grows with Ray and which with the
 workers' own imports.
 
-The cluster is real Ray: `--nodes` nodes (ray.cluster_utils.Cluster: a GCS and one raylet per node,
-token-secured), each with `--cpus-per-node` logical CPUs, all on this machine's real cores. At each world size,
+The cluster is real: a token-secured head (tools/head.py) plus `--nodes - 1` joined `ray start`
+nodes, each with `--cpus-per-node` logical CPUs, all on this machine's real cores. At each world size,
 `--rounds` times, in turn:
 
 - **run**: `raytrain run --workers N` (tiny: 1 epoch, 256 samples, convnet); its summary.json stages.
@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import secrets
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,7 +35,7 @@ from typing import Any
 import yaml
 
 from raytrain_ddp.startup import RUN_STAGES
-from raytrain_ddp.tools.head import Head, free_port
+from raytrain_ddp.tools.head import Head, joined_node, local_head
 
 IMPORTS = "import torch, torch.distributed, torchvision"
 ARMS = ("ray only s", "imports s")
@@ -85,29 +82,18 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
 
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, cpus_per_node: int):
-    """A head and nodes - 1 more nodes on this machine, each its own raylet, token-secured, every
-    head port explicit. ray.cluster_utils.Cluster, not `ray start` nodes: on one host, joined `ray
-    start` nodes share the head's session dir and their plasma sockets clash (the raylets abort with
-    "Address already in use"); Cluster gives each node its own sockets."""
-    from ray.cluster_utils import Cluster
-
-    tmp = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).parent
-    cluster = None
-    try:
-        ports = {key: free_port() for key in (
-            "gcs_server_port", "ray_client_server_port", "node_manager_port", "object_manager_port", "metrics_export_port",
-            "metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port")}
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **ports, "num_cpus": cpus_per_node, "include_dashboard": False, "temp_dir": str(tmp / "ray"),
-            "node_ip_address": "127.0.0.1"})
+    """A head and nodes - 1 joined nodes on this machine; up once Ray counts them all."""
+    with contextlib.ExitStack() as stack:
+        head = stack.enter_context(local_head(num_cpus=cpus_per_node))
         for _ in range(nodes - 1):
-            cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
-        cluster.wait_for_nodes()
-        env = {**os.environ, "RAY_ADDRESS": cluster.address}
-        yield Head(address=cluster.address, env=env)
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
+            stack.enter_context(joined_node(head, num_cpus=cpus_per_node))
+        wait = (
+            "import ray, time; ray.init(logging_level='ERROR'); d = time.monotonic() + 180\n"
+            f"while ray.cluster_resources().get('CPU', 0) < {nodes * cpus_per_node}:\n"
+            "    assert time.monotonic() < d, 'nodes did not join'; time.sleep(0.5)\n"
+        )
+        subprocess.run([sys.executable, "-c", wait], env=head.env, check=True, timeout=240)
+        yield head
 
 
 def run_arm(head: Head, workers: int, workdir: Path, name: str) -> dict[str, float]:
@@ -165,23 +151,7 @@ def imports_arm(workers: int) -> float:
     return time.monotonic() - start
 
 
-def bench_startup_scale(sizes: list[int], nodes: int, cpus_per_node: int, rounds: int) -> None:
-    """Run `measure` in a child whose environment holds a fresh token from its start: Ray reads the
-    auth mode once per process, and the in-process Cluster must agree with its own GCS."""
-    tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(32))
-    os.chmod(token, 0o600)
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
-    try:
-        subprocess.run([sys.executable, "-m", __name__, ",".join(map(str, sizes)), str(nodes), str(cpus_per_node),
-                        str(rounds)], env=env, check=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def measure(sizes: list[int], nodes: int, cpus_per_node: int, rounds: int) -> dict[int, list[dict]]:
+def bench_startup_scale(sizes: list[int], nodes: int, cpus_per_node: int, rounds: int) -> dict[int, list[dict]]:
     if max(sizes) > nodes * cpus_per_node:
         raise ValueError(f"{max(sizes)} workers need {max(sizes)} CPUs; the cluster has {nodes} x {cpus_per_node}")
     results: dict[int, list[dict[str, Any]]] = {size: [] for size in sizes}
@@ -202,4 +172,4 @@ def measure(sizes: list[int], nodes: int, cpus_per_node: int, rounds: int) -> di
 
 
 if __name__ == "__main__":
-    measure(parse_sizes(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    bench_startup_scale(parse_sizes(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
