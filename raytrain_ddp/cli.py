@@ -199,6 +199,29 @@ def bench_overhead(
 bench_app.command("data")(data_command)
 
 
+@bench_app.command("startup-scale")
+def bench_startup_scale(
+    workers: str = typer.Option("2,8,16", "--workers", help="World sizes, comma-separated."),
+    nodes: int = typer.Option(8, "--nodes", help="Ray nodes to start on this machine (a head and joined nodes)."),
+    cpus_per_node: int = typer.Option(2, "--cpus-per-node", help="Logical CPUs per simulated node."),
+    rounds: int = typer.Option(1, "--rounds", help="Rounds; each runs every size and control arm."),
+    debug: bool = DEBUG,
+) -> None:
+    """Start-up stages at each world size on a simulated multi-node Ray, with control arms for Ray's
+    share and the imports' share."""
+    from raytrain_ddp.tools.bench_startup_scale import bench_startup_scale as run_bench, parse_sizes
+
+    try:
+        sizes = parse_sizes(workers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rounds < 1 or nodes < 1 or cpus_per_node < 1:
+        raise ConfigError("--rounds, --nodes and --cpus-per-node must each be at least 1")
+    if max(sizes) > nodes * cpus_per_node:
+        raise ConfigError(f"--workers {max(sizes)} needs {max(sizes)} CPUs; raise --nodes or --cpus-per-node")
+    run_bench(sizes, nodes, cpus_per_node, rounds)
+
+
 @app.command()
 def verify(
     run_dir: Path = typer.Argument(..., help="A run directory: <storage-path>/<name>."),

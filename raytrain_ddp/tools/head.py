@@ -106,7 +106,9 @@ def local_head(
 @contextmanager
 def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
     """A second Ray node on this machine that joins `head` (with its token), as a node of a real
-    cluster would; it leaves when the block ends."""
+    cluster would; it leaves when the block ends. Its own temp dir: joined nodes on one host would
+    otherwise share a session dir, and a second one's plasma socket clashes with the first's."""
+    tmp = Path(tempfile.mkdtemp(prefix="rtn-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
     ports = [
         f"--{flag}={free_port()}"
         for flag in ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
@@ -118,6 +120,7 @@ def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
             str(Path(sys.executable).with_name("ray")), "start", "--block", f"--address={head.address}", *ports,
             f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}", "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000", "--disable-usage-stats",
+            f"--temp-dir={tmp}",
         ],
         env={k: v for k, v in head.env.items() if k != "RAY_ADDRESS"},
         stdout=subprocess.DEVNULL,
@@ -128,6 +131,7 @@ def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
         yield
     finally:
         stop_group(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
