@@ -327,7 +327,8 @@ def on_this_node() -> Any:
 
 
 def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and TorchConfig this run hands to TorchTrainer."""
+    """The ScalingConfig, RunConfig and backend config (TorchConfig's work, fast_start.py) this run
+    hands to TorchTrainer."""
     from ray.train import (
         CheckpointConfig,
         FailureConfig,
@@ -335,7 +336,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         RunConfig,
         ScalingConfig,
     )
-    from ray.train.torch import TorchConfig
+    from raytrain_ddp.fast_start import ProcessGroupConfig
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpu:
@@ -359,7 +360,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         worker_runtime_env=worker_env(),
         logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
     )
-    return scaling, run, TorchConfig(backend=cfg.resolved_backend)
+    return scaling, run, ProcessGroupConfig(backend=cfg.resolved_backend)
 
 
 ELASTIC_RETRIES = 3

@@ -104,11 +104,12 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
 
     from ray.train.torch import TorchTrainer
 
+    from raytrain_ddp.fast_start import fast
     from raytrain_ddp.metrics import MetricsSink
 
     scaling, run_config, torch_config = trainer_configs(cfg)
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
-    trainer = TorchTrainer(
+    trainer = fast(TorchTrainer)(
         train_entry,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": given, "code_paths": code_paths},
         scaling_config=scaling,

@@ -143,6 +143,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     )
 
     from raytrain_ddp import shipping
+    from raytrain_ddp.fast_start import fast
     from raytrain_ddp.launch_agent import LaunchHub, ResizeNotice, run_script
 
     placement = shipping.place(target.file, target.root)
@@ -156,7 +157,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote()
     if cfg.elastic:  # SIGTERM and the grace before Ray Train resizes the group, not a kill
         run_config.callbacks.append(ResizeNotice(hub, stop_grace_s))
-    trainer = DataParallelTrainer(
+    trainer = fast(DataParallelTrainer)(
         run_script,
         train_loop_config={
             "hub": hub,

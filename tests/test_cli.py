@@ -7,6 +7,7 @@ import time
 
 import pytest
 from conftest import HEAD_CPUS, TINY, raytrain
+from test_fast_start import actors_started, log_sizes
 from test_profiling import check_profiled_run
 
 from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
@@ -41,6 +42,8 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     config.write_text("workers: 2\noptimizer: adamw\nlr: 0.003\nscheduler: step\nname: from-file\n")
     # A tracking server that is down costs a warning, not the run.
     dead_tracker = {**ray_head.env, "MLFLOW_TRACKING_URI": "http://127.0.0.1:1"}
+    logs = ray_head.session_dir / "logs"
+    logs_before = log_sizes(logs)
     launched = time.time()
     proc = raytrain(
         "run", "--config", str(config), "--name", "from-flag", "--storage-path", str(tmp_path), *TINY,
@@ -61,6 +64,11 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert list(stages) == list(RUN_STAGES) and line == stages_line(stages)
     assert all(seconds >= 0 for seconds in stages.values()) and stages["workers"] > 0
     assert summary["startup"]["total_s"] == pytest.approx(summary["first_step_unix"] - launched, abs=1.0)
+    # The fast start (fast_start.py) held: Ray Train started its controller, workers and the actors
+    # a run needs, and no PlacementGroupCleaner or DatasetManager (a Ray upgrade could undo it).
+    actors = actors_started(logs, logs_before)
+    assert actors.count("RayTrainWorker") == 2 and {"TrainController", "SynchronizationActor"} <= set(actors), actors
+    assert not {"PlacementGroupCleaner", "DatasetManager"} & set(actors), actors
 
     run_dir = tmp_path / "from-flag"
     check_profiled_run(proc, run_dir)  # --profile's lines and traces (test_profiling.py)

@@ -100,6 +100,7 @@ def check(cfg: Any, iters: int) -> bool:
     from ray.util.queue import Queue
 
     from raytrain_ddp.cluster import connect, preflight, trainer_configs
+    from raytrain_ddp.fast_start import fast
 
     connect(cfg)
     print(f"Ray {ray.__version__}, token auth {'on' if auth_enabled() else 'OFF'}")
@@ -107,7 +108,7 @@ def check(cfg: Any, iters: int) -> bool:
     cfg = preflight(cfg)
     scaling, run_config, torch_config = trainer_configs(cfg)
     results = Queue(actor_options={"num_cpus": 0})
-    trainer = TorchTrainer(
+    trainer = fast(TorchTrainer)(
         collectives_check,
         train_loop_config={"results": results, "sizes": SIZES, "iters": iters},
         scaling_config=scaling,

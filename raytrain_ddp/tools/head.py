@@ -31,6 +31,8 @@ class Head:
     """Environment for a driver of this cluster: RAY_ADDRESS and its token."""
     dashboard_url: str | None = None
     """http://127.0.0.1:PORT of the dashboard and Jobs API, where asked for."""
+    session_dir: Path | None = None
+    """Ray's session directory (its `logs/` has every worker process's log)."""
 
 
 def free_port() -> int:
@@ -97,7 +99,8 @@ def local_head(
         wait_for_port("127.0.0.1", port, proc, timeout_s=90)
         if url is not None:
             wait_for_dashboard(url, proc, timeout_s=120)
-        yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url)
+        yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url,
+                   session_dir=tmp / "ray" / "session_latest")
     finally:
         stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,59 @@
+"""fast_start.py: what the controller is sent imports no torch, and which Ray Train processes a run
+leaves out. The whole start is covered by every end-to-end run. The check that it stays fast after a
+Ray upgrade, `actors_started`, is used in test_cli.py against the shared head."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import cloudpickle
+from ray.train import RunConfig, ScalingConfig
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+from raytrain_ddp.fast_start import ProcessGroupConfig, TrainController, fast, needed
+
+UNPICKLE = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+
+
+def imports_torch(obj: object) -> bool:
+    """Whether unpickling `obj` in a fresh interpreter imports torch, as the controller would."""
+    proc = subprocess.run([sys.executable, "-c", UNPICKLE], input=cloudpickle.dumps(obj), capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    return proc.stdout.decode().strip() == "True"
+
+
+def test_the_controller_unpickles_its_backend_and_class_without_torch():
+    from ray.train.torch import TorchConfig
+
+    assert imports_torch(TorchConfig(backend="gloo"))  # Ray's: 3 s of the controller's start
+    assert not imports_torch((ProcessGroupConfig(backend="nccl"), TrainController))
+
+
+def test_a_run_leaves_out_the_cleaner_and_the_dataset_manager_but_keeps_the_rest(tmp_path):
+    trainer = fast(DataParallelTrainer)(
+        lambda: None, scaling_config=ScalingConfig(num_workers=1), run_config=RunConfig(storage_path=str(tmp_path)),
+    )
+    names = {type(cb).__name__: needed(cb, {}) for cb in trainer._create_default_callbacks()}
+    assert names.pop("PlacementGroupCleanerCallback") is False
+    assert names.pop("DatasetsCallback") is False
+    assert all(names.values()) and "BackendSetupCallback" in names, names
+    with_data = {type(cb).__name__ for cb in trainer._create_default_callbacks() if needed(cb, {"train": "a dataset"})}
+    assert "DatasetsCallback" in with_data and "PlacementGroupCleanerCallback" not in with_data
+
+
+def log_sizes(logs: Path) -> dict[Path, int]:
+    return {f: f.stat().st_size for f in logs.glob("worker-*.out")}
+
+
+def actors_started(logs: Path, before: dict[Path, int]) -> list[str]:
+    """The actor classes whose processes Ray started since `before` (log_sizes), from the
+    `:actor_name:` line each worker process writes to its log when it becomes an actor."""
+    names = []
+    for f, size in log_sizes(logs).items():
+        with open(f, errors="replace") as fh:
+            fh.seek(before.get(f, 0))
+            names += re.findall(r":actor_name:(\w+)", fh.read())
+    return sorted(names)
