@@ -209,12 +209,10 @@ def bench_startup_scale(
 ) -> None:
     """Start-up stages at each world size on a simulated multi-node Ray, with control arms for Ray's
     share and the imports' share."""
-    from raytrain_ddp.tools.bench_startup_scale import bench_startup_scale as run_bench, parse_sizes
+    from raytrain_ddp.tools.bench_startup_scale import bench_startup_scale as run_bench
+    from raytrain_ddp.tools.scale import parse_sizes
 
-    try:
-        sizes = parse_sizes(workers)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sizes = parse_sizes(workers)
     if rounds < 1 or nodes < 1 or cpus_per_node < 1:
         raise ConfigError("--rounds, --nodes and --cpus-per-node must each be at least 1")
     if max(sizes) > nodes * cpus_per_node:

@@ -7,9 +7,10 @@ nodes, each with `--cpus-per-node` logical CPUs, all on this machine's real core
 `--rounds` times, in turn:
 
 - **run**: `raytrain run --workers N` (tiny: 1 epoch, 256 samples, convnet); its summary.json stages.
-- **ray only**: a Ray Train V2 `DataParallelTrainer` (no torch backend) whose train fn only notes the
-  time; fit() to rank 0 entering it. Ray's controller, placement and worker-group start at N, with
-  no torch in the workers (the arm reports whether torch got imported anyway).
+- **ray only**: a Ray Train V2 `DataParallelTrainer` (no torch backend), started as the runs start
+  theirs (fast_start.py), whose train fn only notes the time; fit() to rank 0 entering it. Ray's
+  controller, placement and worker-group start at N, with no torch in the workers (the arm reports
+  whether torch got imported anyway).
 - **imports**: N plain `python -c "import torch, torch.distributed, torchvision"` processes started
   together, no Ray; the time until the last finishes. What N workers' imports cost on these cores,
   alone.
@@ -36,20 +37,10 @@ import yaml
 
 from raytrain_ddp.startup import RUN_STAGES
 from raytrain_ddp.tools.head import Head, joined_node, local_head
+from raytrain_ddp.tools.scale import parse_sizes
 
 IMPORTS = "import torch, torch.distributed, torchvision"
 ARMS = ("ray only s", "imports s")
-
-
-def parse_sizes(text: str) -> list[int]:
-    """`2,8,16` -> [2, 8, 16]; ValueError names the fix."""
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--workers takes sizes like 2,8,16 (got {text!r})") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--workers takes positive sizes like 2,8,16 (got {text!r})")
-    return sizes
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -116,6 +107,7 @@ from pathlib import Path
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+from raytrain_ddp.fast_start import fast
 
 def entered(config):
     import ray.train
@@ -124,7 +116,7 @@ def entered(config):
 
 workers, mark, storage = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 ray.init(logging_level="ERROR")
-trainer = DataParallelTrainer(entered, train_loop_config={"mark": mark},
+trainer = fast(DataParallelTrainer)(entered, train_loop_config={"mark": mark},
     scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
     run_config=RunConfig(storage_path=storage, name="ray-only"))
 start = time.time()
@@ -153,8 +145,6 @@ def imports_arm(workers: int) -> float:
 
 
 def bench_startup_scale(sizes: list[int], nodes: int, cpus_per_node: int, rounds: int) -> dict[int, list[dict]]:
-    if max(sizes) > nodes * cpus_per_node:
-        raise ValueError(f"{max(sizes)} workers need {max(sizes)} CPUs; the cluster has {nodes} x {cpus_per_node}")
     results: dict[int, list[dict[str, Any]]] = {size: [] for size in sizes}
     with tempfile.TemporaryDirectory(prefix="raytrain-scale-") as tmp, simulated_cluster(nodes, cpus_per_node) as head:
         workdir = Path(tmp)

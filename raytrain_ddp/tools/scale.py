@@ -48,7 +48,7 @@ def parse_sizes(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise ConfigError(f"--workers for scale is a list of distinct counts like 1,2,4,8 (got {text!r})")
+        raise ConfigError(f"--workers takes distinct counts like 1,2,4,8 (got {text!r})")
     return sorted(sizes)
 
 
