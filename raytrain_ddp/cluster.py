@@ -373,11 +373,9 @@ not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do no
 
 
 def worker_env() -> dict[str, Any] | None:
-    """The workers' runtime_env: the driver's NCCL/gloo variables, None when there are none. It costs
-    no start-up time either way: Train V2 gives its controller a runtime_env of its own
-    (RAY_WARN_BLOCKING_GET_INSIDE_ASYNC=0), which every actor the controller creates inherits, so
-    the workers always start in fresh processes (Ray pre-starts idle ones only for a node's first
-    driver, with no runtime_env). Ray sets OMP_NUM_THREADS to each worker's CPUs by itself."""
+    """The workers' runtime_env: the driver's NCCL/gloo variables, None when there are none (then a
+    worker may start in one of Ray's idle processes; fast_start.py keeps the controller's runtime_env
+    off them too). Ray sets OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
     return {"env_vars": env} if env else None
 
