@@ -124,6 +124,15 @@ class ProcessGroupConfig(BackendConfig):
     def train_func_context(self) -> type[CudaDevice]:
         return CudaDevice
 
+    @property
+    def framework(self) -> Any:
+        from ray.train.v2._internal.util import TrainingFramework
+
+        return TrainingFramework.TORCH  # what Ray's Train dashboard shows for the run, as for TorchConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "timeout_s": self.timeout_s}  # the dashboard's record of it
+
 
 # --- the controller ---
 
