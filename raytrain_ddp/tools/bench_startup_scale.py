@@ -37,7 +37,6 @@ import yaml
 
 from raytrain_ddp.startup import RUN_STAGES
 from raytrain_ddp.tools.head import Head, joined_node, local_head
-from raytrain_ddp.tools.scale import parse_sizes
 
 IMPORTS = "import torch, torch.distributed, torchvision"
 ARMS = ("ray only s", "imports s")
@@ -160,7 +159,3 @@ def bench_startup_scale(sizes: list[int], nodes: int, cpus_per_node: int, rounds
     print(f"\n{nodes} nodes x {cpus_per_node} CPUs, median of {rounds} round(s), seconds\n")
     print(table(results))
     return results
-
-
-if __name__ == "__main__":
-    bench_startup_scale(parse_sizes(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
