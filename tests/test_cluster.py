@@ -130,8 +130,10 @@ def test_a_node_drain_is_answered_with_a_checkpoint_and_the_run_goes_on(tmp_path
         )
         try:
             read_until(driver, "epoch 1/4  train loss", output)  # training on both nodes
-            other = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
-                                   text=True, timeout=120, check=True).stdout.split()[-1]
+            others = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
+                                    text=True, timeout=120, check=True).stdout.split()
+            assert len(others) == 1, f"alive nodes besides the head: {others}\n{''.join(output)[-3000:]}"
+            [other] = others
             subprocess.run(
                 [str(Path(sys.executable).with_name("ray")), "drain-node", "--address", head.address, "--node-id",
                  other, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",

@@ -107,10 +107,11 @@ def local_head(
 
 
 @contextmanager
-def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
+def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[None]:
     """A second Ray node on this machine that joins `head` (with its token), as a node of a real
-    cluster would; it leaves when the block ends. Its own temp dir: joined nodes on one host would
-    otherwise share a session dir, and a second one's plasma socket clashes with the first's."""
+    cluster would; the block starts once the head counts it alive, and it leaves when the block ends.
+    Its own temp dir: joined nodes on one host would otherwise share a session dir, and a second
+    one's plasma socket clashes with the first's."""
     tmp = Path(tempfile.mkdtemp(prefix="rtn-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
     ports = [
         f"--{flag}={free_port()}"
@@ -131,10 +132,37 @@ def joined_node(head: Head, num_cpus: int) -> Iterator[None]:
         start_new_session=True,
     )
     try:
+        wait_until_joined(head, tmp, proc, timeout_s)
         yield
     finally:
         stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# `ray start` returns before its raylet has registered with the head, and on 2 busy cores a raylet
+# that waits too long for its dashboard agent aborts: a run started meanwhile sees one node fewer.
+# The node is known by its plasma socket, which lives under its own temp dir.
+JOINED = """
+import sys, time, ray
+ray.init(logging_level="ERROR")
+deadline = time.monotonic() + float(sys.argv[2])
+while not any(n["Alive"] and n["ObjectStoreSocketName"].startswith(sys.argv[1]) for n in ray.nodes()):
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.2)
+"""
+
+
+def wait_until_joined(head: Head, tmp: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    waiter = subprocess.Popen([sys.executable, "-c", JOINED, str(tmp), str(timeout_s)], env=head.env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while waiter.poll() is None:
+        if proc.poll() is not None:
+            waiter.kill()
+            raise RuntimeError(f"ray start of a joined node exited with {proc.returncode} before it joined")
+        time.sleep(0.2)
+    if waiter.returncode != 0:
+        raise TimeoutError(f"a joined node was not alive at the head within {timeout_s} s: {waiter.stderr.read()[-500:]}")
 
 
 def stop_group(proc: subprocess.Popen) -> None:
