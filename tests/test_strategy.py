@@ -391,41 +391,35 @@ def latest(run_dir: Path) -> Path:
 
 
 @pytest.mark.e2e
-def test_fsdp_run_checkpoints_in_shards_resumes_on_one_worker_and_exports(ray_head, tmp_path):
-    first = raytrain(*run_args(tmp_path, "sharded", "--strategy", "fsdp", "--workers", "2"), env=ray_head.env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    saved = latest(tmp_path / "sharded")
+def test_a_run_crosses_ddp_fsdp_and_world_sizes_resuming_each_time_and_exports_the_shards(ray_head, tmp_path):
+    """One run, four legs (one run and not three tests: CI time): DDP at 2 workers; FSDP at 2, from
+    the DDP checkpoint, saving shards; FSDP at 1, from those shards; the shards exported as a plain
+    state dict; and DDP again, from the shards."""
+    def leg(epochs: int, *more: str):
+        proc = raytrain(*run_args(tmp_path, "crossed", "--epochs", str(epochs), *more), env=ray_head.env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    leg(1, "--workers", "2")
+    fsdp = leg(2, "--strategy", "fsdp", "--workers", "2")
+    assert "resume: --strategy ddp -> fsdp applied" in fsdp.stdout + fsdp.stderr
+    saved = latest(tmp_path / "crossed")
     assert sorted(f.name for f in (saved / checkpoint.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert "model" not in torch.load(saved / checkpoint.STATE, weights_only=True)  # no rank held it whole
     assert '"strategy": "fsdp"' in (saved / checkpoint.RESUME_INFO).read_text()
 
-    resumed = raytrain(*run_args(tmp_path, "sharded", "--strategy", "fsdp", "--workers", "1", "--epochs", "2"), env=ray_head.env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from the checkpoint at epoch 2" in resumed.stdout
-    rows = read_csv(tmp_path / "sharded" / "metrics.csv")
-    assert [(r["epoch"], r["world_size"]) for r in rows] == [("1", "2"), ("2", "1")]
-    assert float(rows[1]["train_loss"]) < float(rows[0]["train_loss"])  # it went on from the trained weights
-    # the largest rank's share of the state: about half at 2 ranks of what 1 rank holds
-    assert float(rows[0]["model_state_mib"]) < 0.6 * float(rows[1]["model_state_mib"])
-
-    exported = raytrain("export", str(tmp_path / "sharded"), "--to", str(tmp_path / "model.pt"))
+    one = leg(3, "--strategy", "fsdp", "--workers", "1")
+    assert "resumed from the checkpoint at epoch 3" in one.stdout
+    exported = raytrain("export", str(tmp_path / "crossed"), "--to", str(tmp_path / "model.pt"))
     assert exported.returncode == 0, exported.stderr
     from raytrain_ddp.models import convnet
 
     convnet(num_classes=10, in_channels=3).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
-
-@pytest.mark.e2e
-def test_a_ddp_run_resumes_under_fsdp_and_back(ray_head, tmp_path):
-    ddp = raytrain(*run_args(tmp_path, "crossed"), env=ray_head.env)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    fsdp = raytrain(*run_args(tmp_path, "crossed", "--strategy", "fsdp", "--epochs", "2"), env=ray_head.env)
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert "resume: --strategy ddp -> fsdp applied" in fsdp.stdout + fsdp.stderr
-    assert (latest(tmp_path / "crossed") / checkpoint.SHARDS).is_dir()
-    back = raytrain(*run_args(tmp_path, "crossed", "--epochs", "3"), env=ray_head.env)
-    assert back.returncode == 0, back.stderr[-3000:]
-    assert "resumed from the checkpoint at epoch 3" in back.stdout
+    back = leg(4, "--workers", "2")
+    assert "resumed from the checkpoint at epoch 4" in back.stdout
     rows = read_csv(tmp_path / "crossed" / "metrics.csv")
-    assert [r["epoch"] for r in rows] == ["1", "2", "3"]
-    assert float(rows[2]["train_loss"]) < float(rows[0]["train_loss"])
+    assert [(r["epoch"], r["world_size"]) for r in rows] == [("1", "2"), ("2", "2"), ("3", "1"), ("4", "2")]
+    assert float(rows[3]["train_loss"]) < float(rows[0]["train_loss"])  # each leg went on from the trained weights
+    # the largest rank's share of the state: about half at 2 FSDP ranks of what 1 rank holds
+    assert float(rows[1]["model_state_mib"]) < 0.6 * float(rows[2]["model_state_mib"])
