@@ -673,7 +673,9 @@ def test_early_usr1_waits_for_the_handler_and_no_requeue_is_respected(lab: Lab) 
 
 # ---- elastic: a node lost mid-run -----------------------------------------------------------------
 
-ELASTIC_RUN = ("raytrain", "run", "--workers", "1:2", "--resize-check-s", "5", "--epochs", "3",
+# Two epochs: the node is lost in the second, which then ends at 1 worker (a third epoch at 1 worker
+# would add ~30 s of CI and test nothing more).
+ELASTIC_RUN = ("raytrain", "run", "--workers", "1:2", "--resize-check-s", "5", "--epochs", "2",
                "--train-samples", "2048", "--val-samples", "128", "--batch-size", "32",
                "--checkpoint-every-steps", "4", "--data-workers", "0", "--progress", "plain")
 
@@ -700,7 +702,7 @@ def test_elastic_run_loses_a_node_and_finishes_on_the_other(lab: Lab) -> None:
     job_id = lab.submit(*ELASTIC_RUN, "--storage-path", str(lab.work / "runs"), "--name", "elastic",
                         sbatch_flags=("--nodes=2",))
     # Well into epoch 2 at 2 workers: checkpoints every 4 steps, so the latest is mid-epoch.
-    in_epoch_2 = lambda: any(int(m) >= 10 for m in re.findall(r"epoch 2/3 step (\d+)/", lab.log(job_id)))
+    in_epoch_2 = lambda: any(int(m) >= 10 for m in re.findall(r"epoch 2/2 step (\d+)/", lab.log(job_id)))
     lab.wait_until(job_id, "epoch 2 at step 10", in_epoch_2, timeout=300)
     assert kill_node_ray(job_id, "n2"), lab.log(job_id)
     job = lab.wait(job_id, timeout=480)
@@ -708,7 +710,7 @@ def test_elastic_run_loses_a_node_and_finishes_on_the_other(lab: Lab) -> None:
     assert job.state == "COMPLETED", job.log
     assert "Ray on n2 died; the elastic run goes on without it" in job.log, job.log
     rows = list(csv.DictReader(open(run_dir / "metrics.csv", newline="")))
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3], job.log
+    assert [int(r["epoch"]) for r in rows] == [1, 2], job.log
     assert rows[0]["world_size"] == "2" and rows[-1]["world_size"] == "1", rows
     summary = json.loads((run_dir / "summary.json").read_text())
     [resize] = summary["resizes"]
@@ -743,7 +745,7 @@ def test_elastic_launch_loses_a_node_and_finishes_at_world_size_1(lab: Lab) -> N
     job_id = lab.submit("raytrain", "launch", "--workers", "1:2", "--cpus-per-worker", "2", "--resize-check-s", "5",
                         "--storage-path", str(lab.work / "runs"), "--name", "elastic-launch",
                         str(REPO / "tests" / "scripts" / "snapshot_train.py"), "--snapshot", str(snapshot),
-                        "--out", str(out), "--epochs", "25", "--epoch-s", "1", sbatch_flags=("--nodes=2",))
+                        "--out", str(out), "--epochs", "12", "--epoch-s", "1", sbatch_flags=("--nodes=2",))
     lab.wait_until(job_id, "epoch 3 at world size 2", lambda: "epoch 3 world size 2 " in lab.log(job_id), timeout=300)
     assert kill_node_ray(job_id, "n2"), lab.log(job_id)
     job = lab.wait(job_id, timeout=480)
@@ -757,7 +759,7 @@ def test_elastic_launch_loses_a_node_and_finishes_at_world_size_1(lab: Lab) -> N
     resumed = [e for e in events if e["event"] == "resumed"]
     assert resumed[0] == {"event": "resumed", "epoch": 0, "world_size": 2}, events
     assert resumed[-1]["world_size"] == 1 and resumed[-1]["epoch"] >= 3, events  # from the snapshot, not from 0
-    assert events[-1] == {"event": "end", "epoch": 25, "world_size": 1, "stopped": None}, events
+    assert events[-1] == {"event": "end", "epoch": 12, "world_size": 1, "stopped": None}, events
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["exit_codes"] == [0] and summary["nodes"] == ["n1"], summary
     assert_cleaned_up(lab, job_id)
