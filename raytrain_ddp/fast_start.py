@@ -32,6 +32,8 @@ from typing import Any
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.execution.controller import TrainController as RayTrainController
 
+from raytrain_ddp.elastic import staying_nodes_only
+
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 30
@@ -166,6 +168,7 @@ class FastStart:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         kwargs["callbacks"] = [cb for cb in kwargs["callbacks"] if needed(cb, self.datasets)]
+        kwargs["scaling_policy"] = staying_nodes_only(kwargs["scaling_policy"])
         if get_env_vars_to_propagate():  # the user's RAY_TRAIN_* settings travel in the runtime_env
             return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
         driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # as Ray's

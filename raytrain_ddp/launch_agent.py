@@ -34,6 +34,8 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
+from raytrain_ddp.elastic import lost_and_draining_nodes
+
 POLL_S = 0.2
 """How often an agent sends its child's output on."""
 WAIT_S = 5.0
@@ -154,7 +156,7 @@ class LaunchHub:
             if attempt is None or "resize" in attempt or len(attempt["exits"]) == attempt["world_size"]:
                 continue
             try:
-                dead, draining = await loop.run_in_executor(None, _lost_and_draining_nodes)
+                dead, draining = await loop.run_in_executor(None, lost_and_draining_nodes)
             except Exception:  # the GCS busy or restarting: ask again next time
                 continue
             for peer in attempt["peers"].values():
@@ -225,12 +227,6 @@ class ResizeNotice(ControllerCallback):
             ray.get(self.hub.resize.remote(resize_decision.num_workers, timeout), timeout=timeout + RESIZE_MARGIN_S)
         except Exception:  # never fail the controller over a notice: at worst, Ray Train's kill as before
             pass
-
-
-def _lost_and_draining_nodes() -> tuple[set[str], set[str]]:
-    """(dead node ids, ids of nodes Ray is draining), from the GCS; Ray Train asks the same way."""
-    dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
-    return dead, set(ray._private.state.state.get_draining_nodes())
 
 
 def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_restarts: int, run_id: str) -> dict[str, str]:
