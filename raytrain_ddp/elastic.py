@@ -43,12 +43,11 @@ def answers(node: dict[str, Any]) -> bool:
 def leaving_nodes() -> set[str]:
     """Ids of the nodes a restart must not count: dead, being drained, or with a raylet that is gone
     though the GCS has not noticed yet."""
-    draining = set(ray._private.state.state.get_draining_nodes())
-    nodes = ray.nodes()
-    staying = [n for n in nodes if n["Alive"] and n["NodeID"] not in draining]
+    dead, draining = lost_and_draining_nodes()
+    staying = [n for n in ray.nodes() if n["NodeID"] not in dead | draining]
     with ThreadPoolExecutor(max_workers=min(32, len(staying) or 1)) as pool:
-        up = dict(zip((n["NodeID"] for n in staying), pool.map(answers, staying)))
-    return {n["NodeID"] for n in nodes if not up.get(n["NodeID"], False)}
+        gone = {n["NodeID"] for n, up in zip(staying, pool.map(answers, staying)) if not up}
+    return dead | draining | gone
 
 
 class StayingNodesPolicy(ElasticScalingPolicy):
