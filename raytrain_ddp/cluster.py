@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.ray_compat import has
+from raytrain_ddp.ray_compat.state import local_gpu_mib, quiet_ray_notices
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
@@ -59,8 +62,8 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
     if address is None:
         # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
         # machine last started, which may be another user's or another job's.
-        if not cfg.verbose:  # Ray warns at every local start that it turned token auth on: good news
-            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        if not cfg.verbose:
+            quiet_ray_notices()
         ray.init(
             address="local",
             include_dashboard=False,
@@ -79,6 +82,8 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
             ray.init(address=address, runtime_env=runtime_env, **quiet)
             return
         except (ConnectionError, RuntimeError) as err:
+            if mismatch := ray_mismatch(address, str(err)):
+                raise ConfigError(mismatch) from None
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             refused = log is not None and "InvalidAuthToken" in log.read_text(errors="replace")
     if refused:
@@ -89,6 +94,32 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
     raise ConfigError(
         f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
         "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
+    )
+
+
+RAY_MISMATCH = re.compile(r"started with:\s+Ray: (\S+)\s+Python: (\S+)\s+This process .*? started with:\s+Ray: (\S+)\s+Python: (\S+)", re.S)
+"""Ray's refusal of a driver whose Ray or Python differs from the cluster's (ray._private.utils.check_version_info)."""
+
+
+def version_mismatch(address: str, cluster_ray: str, driver_ray: str) -> str | None:
+    """The one line for a driver whose Ray is not the cluster's, or None when they match."""
+    if cluster_ray == driver_ray:
+        return None
+    return (
+        f"the Ray cluster at {address} runs Ray {cluster_ray}, and this driver Ray {driver_ray}; a driver "
+        f"must run the cluster's exact Ray: pip install 'ray[default,train]=={cluster_ray}'"
+    )
+
+
+def ray_mismatch(address: str, refusal: str) -> str | None:
+    """Ray's page-long version refusal (ray.init), as one line that names the fix; None for any other error."""
+    found = RAY_MISMATCH.search(refusal)
+    if found is None:
+        return None
+    cluster_ray, cluster_python, driver_ray, driver_python = found.groups()
+    return version_mismatch(address, cluster_ray, driver_ray) or (
+        f"the Ray cluster at {address} runs Python {cluster_python}, and this driver Python {driver_python}; "
+        f"Ray needs the same: run raytrain from a Python {cluster_python} environment"
     )
 
 
@@ -222,23 +253,6 @@ GPU_MEMORY_GIB = {
 several sizes (V100 16/32, A100 40/80, H100 80/94): an upper bound, so a refusal on it is never wrong."""
 
 
-def local_gpu_mib() -> float | None:
-    """The smallest GPU memory on this machine, from NVML: no CUDA context, which a driver would
-    otherwise hold on GPU 0 for the whole run. None without a GPU or NVML."""
-    try:
-        import ray._private.thirdparty.pynvml as nvml  # Ray's own copy, as Ray counts GPUs with it
-
-        nvml.nvmlInit()
-        try:
-            sizes = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total
-                     for i in range(nvml.nvmlDeviceGetCount())]
-        finally:
-            nvml.nvmlShutdown()
-    except Exception:  # no driver, no GPU, or Ray moved its copy: the estimate is printed unchecked
-        return None
-    return min(sizes) / 2**20 if sizes else None
-
-
 def gpu_mib(nodes: list[dict], local: bool) -> tuple[float, str] | None:
     """(MiB, what it is) of the smallest GPU the run may get, or None if unknown: measured on this
     machine for a local run, else from the accelerator_type labels Ray gives GPU nodes."""
@@ -327,16 +341,15 @@ def on_this_node() -> Any:
 
 
 def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and backend config (TorchConfig's work, fast_start.py) this run
+    """The ScalingConfig, RunConfig and backend config (TorchConfig's work, process_group.py) this run
     hands to TorchTrainer."""
     from ray.train import (
         CheckpointConfig,
         FailureConfig,
-        LoggingConfig,
         RunConfig,
         ScalingConfig,
     )
-    from raytrain_ddp.fast_start import ProcessGroupConfig
+    from raytrain_ddp.process_group import ProcessGroupConfig
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpu:
@@ -358,9 +371,18 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         failure_config=FailureConfig(max_failures=max_failures),
         worker_runtime_env=worker_env(),
-        logging_config=LoggingConfig(log_level="INFO" if cfg.verbose else "WARNING"),
+        **train_log_level("INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, ProcessGroupConfig(backend=cfg.resolved_backend)
+
+
+def train_log_level(level: str) -> dict[str, Any]:
+    """RunConfig's logging_config at `level`, where Ray Train has one (2.53 and later)."""
+    if not has("ray.train:LoggingConfig"):
+        return {}
+    from ray.train import LoggingConfig
+
+    return {"logging_config": LoggingConfig(log_level=level)}
 
 
 ELASTIC_RETRIES = 3
@@ -374,7 +396,7 @@ not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do no
 
 def worker_env() -> dict[str, Any] | None:
     """The workers' runtime_env: the driver's NCCL/gloo variables, None when there are none (then a
-    worker may start in one of Ray's idle processes; fast_start.py keeps the controller's runtime_env
+    worker may start in one of Ray's idle processes; ray_compat/controller.py keeps the controller's runtime_env
     off them too). Ray sets OMP_NUM_THREADS to each worker's CPUs by itself."""
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
     return {"env_vars": env} if env else None

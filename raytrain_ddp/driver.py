@@ -44,9 +44,12 @@ def check_request(cfg: TrainConfig, model: Any = None, dataset: Any = None, dry:
     imports and builds an nn.Module), --dataset and its files, the trackers' packages, and a resume's
     fit with its checkpoint (resume.py). Returns cfg with the Python API's model and dataset, the run
     directory, and the callables to send by value."""
-    from raytrain_ddp import plugins, resume, tracking
+    from raytrain_ddp import plugins, ray_compat, resume, tracking
     from raytrain_ddp.data.registry import validate
     from raytrain_ddp.models import model_builder
+
+    if cfg.elastic:
+        ray_compat.require("elastic")
 
     (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
     cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
@@ -82,7 +85,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     command began (the CLI's process start), so the start-up stages count its imports; default now.
     Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
     checkpoints, then raises Stopped."""
-    from raytrain_ddp import tracking
+    from raytrain_ddp import ray_compat, tracking
     from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
     from raytrain_ddp.shipping import ship_code, user_code
     from raytrain_ddp.worker import train_entry
@@ -90,6 +93,8 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     started = time.time()
     marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
     cfg, run_dir, given = check_request(cfg, model, dataset)
+    if without := ray_compat.going_without():
+        print(without, file=sys.stderr)
     if not cfg.resume:
         start_fresh(run_dir)
     check_writable(run_dir)
@@ -104,7 +109,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
 
     from ray.train.torch import TorchTrainer
 
-    from raytrain_ddp.fast_start import fast
+    from raytrain_ddp.ray_compat import fast
     from raytrain_ddp.metrics import MetricsSink
 
     scaling, run_config, torch_config = trainer_configs(cfg)

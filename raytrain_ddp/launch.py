@@ -9,6 +9,7 @@ own process group (a TorchTrainer would make one more, and a CUDA context per ra
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from raytrain_ddp import ray_compat
 from raytrain_ddp.cluster import (
     ELASTIC_RETRIES,
     FitThread,
@@ -122,6 +124,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     if stop_grace_s < 0:
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
+    if cfg.elastic:
+        ray_compat.require("elastic")
     cfg, run_dir = resolve_run(cfg)
     if dry_run:
         scaling, run_config, _ = trainer_configs(choose_layout(cfg, []))
@@ -130,6 +134,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         return 0
     started = time.time()
     marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
+    if without := ray_compat.going_without(("fast_start",)):  # a script has no drain notices of ours
+        say(without)
     signals = Signals()  # from here on, a Ctrl-C or SIGTERM is ours: remembered, then forwarded
     check_writable(run_dir)
     marks["checks"] = time.time()
@@ -143,8 +149,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     )
 
     from raytrain_ddp import shipping
-    from raytrain_ddp.fast_start import fast
-    from raytrain_ddp.launch_agent import LaunchHub, ResizeNotice, run_script
+    from raytrain_ddp.launch_agent import LaunchHub, resize_notice, run_script
 
     placement = shipping.place(target.file, target.root)
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
@@ -156,8 +161,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     scaling, run_config, _ = trainer_configs(cfg)
     hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote()
     if cfg.elastic:  # SIGTERM and the grace before Ray Train resizes the group, not a kill
-        run_config.callbacks.append(ResizeNotice(hub, stop_grace_s))
-    trainer = fast(DataParallelTrainer)(
+        run_config.callbacks.append(ray_compat.before_resize(functools.partial(resize_notice, hub, stop_grace_s)))
+    trainer = ray_compat.fast(DataParallelTrainer)(
         run_script,
         train_loop_config={
             "hub": hub,

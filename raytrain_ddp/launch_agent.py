@@ -32,9 +32,8 @@ import uuid
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from raytrain_ddp.elastic import lost_and_draining_nodes
+from raytrain_ddp.ray_compat.state import lost_and_draining_nodes
 
 POLL_S = 0.2
 """How often an agent sends its child's output on."""
@@ -211,22 +210,13 @@ class LaunchHub:
         }
 
 
-class ResizeNotice(ControllerCallback):
+def resize_notice(hub: Any, grace_s: float, world_size: int) -> None:
     """In Ray Train's controller, before it resizes the worker group (an elastic run that found room
-    for more ranks, or fits fewer): the running scripts get SIGTERM and the grace, as under torchrun's
-    elastic agent, where Ray Train alone would kill them outright and lose the work since their last
-    snapshot. Ray Train has no public hook here; RunConfig hands callbacks that are not UserCallbacks
-    to the controller as they are, for such uses."""
-
-    def __init__(self, hub: Any, grace_s: float) -> None:
-        self.hub, self.grace_s = hub, grace_s
-
-    def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
-        timeout = self.grace_s + RESIZE_MARGIN_S
-        try:
-            ray.get(self.hub.resize.remote(resize_decision.num_workers, timeout), timeout=timeout + RESIZE_MARGIN_S)
-        except Exception:  # never fail the controller over a notice: at worst, Ray Train's kill as before
-            pass
+    for more ranks, or fits fewer; ray_compat.before_resize): the running scripts get SIGTERM and the
+    grace, as under torchrun's elastic agent, where Ray Train alone would kill them outright and lose
+    the work since their last snapshot. Returns once they have exited."""
+    timeout = grace_s + RESIZE_MARGIN_S
+    ray.get(hub.resize.remote(world_size, timeout), timeout=timeout + RESIZE_MARGIN_S)
 
 
 def torchrun_env(rank: int, peers: list[dict[str, Any]], attempt: int, max_restarts: int, run_id: str) -> dict[str, str]:

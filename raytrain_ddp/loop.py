@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytrain_ddp import checkpoint, strategy
+from raytrain_ddp import checkpoint, ray_compat, strategy
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
@@ -409,7 +409,7 @@ def agree_to_stop(
     node of theirs is being drained (checkpoint now, train on), and the slowest rank's seconds per
     pass so far (to space the next agreement); a diverged loss raises."""
     # A barrier over the ranks, like the all-reduce below: every rank calls it at the same step.
-    preempted = ray.train.get_preemption_info() is not None
+    preempted = ray_compat.node_draining()
     asked = rank == 0 and ray.get(sink.stop_requested.remote())
     elapsed = time.perf_counter() - pass_start
     flags = torch.tensor([float(asked), bad_step.item(), elapsed], dtype=torch.float64, device=bad_step.device)

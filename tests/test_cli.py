@@ -64,7 +64,7 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     assert list(stages) == list(RUN_STAGES) and line == stages_line(stages)
     assert all(seconds >= 0 for seconds in stages.values()) and stages["workers"] > 0
     assert summary["startup"]["total_s"] == pytest.approx(summary["first_step_unix"] - launched, abs=1.0)
-    # The fast start (fast_start.py) held: Ray Train started its controller, workers and the actors
+    # The fast start (ray_compat/controller.py) held: Ray Train started its controller, workers and the actors
     # a run needs, and no PlacementGroupCleaner or DatasetManager (a Ray upgrade could undo it).
     actors = actors_started(logs, logs_before)
     assert actors.count("RayTrainWorker") == 2 and {"TrainController", "SynchronizationActor"} <= set(actors), actors

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from ray.train.v2._internal.constants import DEFAULT_WORKER_GROUP_START_TIMEOUT_S
 
 from raytrain_ddp.cluster import choose_layout, cpu_share, placement_problem
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.metrics import read_csv
+from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s
 from raytrain_ddp.tools.head import joined_node, local_head
 
 
@@ -141,4 +141,4 @@ def test_an_elastic_run_grows_when_a_node_joins_and_answers_its_drain_with_a_che
     assert (drained["epoch"], drained["position"]) >= (int(saved[1]), int(saved[2])), (drained, log[-3000:])
     # The restart at the drain's deadline asked for no worker on the leaving node: such a placement
     # group is never placed, and the restart sits out Ray Train's worker-group start timeout first.
-    assert drained["at"] - drain_sent < DEFAULT_WORKER_GROUP_START_TIMEOUT_S, (drained["at"] - drain_sent, log[-3000:])
+    assert drained["at"] - drain_sent < worker_group_start_timeout_s(), (drained["at"] - drain_sent, log[-3000:])

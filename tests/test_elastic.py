@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from raytrain_ddp.elastic import answers
+from raytrain_ddp.ray_compat.elastic import answers
 
 
 def test_a_node_answers_while_its_raylet_port_listens_and_not_once_it_is_closed():

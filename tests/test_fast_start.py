@@ -1,4 +1,4 @@
-"""fast_start.py: what the controller is sent imports no torch, and which Ray Train processes a run
+"""ray_compat/controller.py (the fast start) and process_group.py: what the controller is sent imports no torch, and which Ray Train processes a run
 leaves out. The whole start is covered by every end-to-end run. The check that it stays fast after a
 Ray upgrade, `actors_started`, is used in test_cli.py against the shared head."""
 
@@ -13,7 +13,9 @@ import cloudpickle
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from raytrain_ddp.fast_start import ProcessGroupConfig, TrainController, fast, needed
+from raytrain_ddp.process_group import ProcessGroupConfig
+from raytrain_ddp.ray_compat import fast
+from raytrain_ddp.ray_compat.controller import TrainController, needed
 
 UNPICKLE = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
 

@@ -96,6 +96,67 @@ def test_exit_codes_are_defined_once():
     assert {"EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_STOPPED", "EXIT_INTERRUPTED"} <= set(assigned["raytrain_ddp.errors"])
 
 
+RAY_DOOR = "raytrain_ddp.ray_compat"
+"""The one door to Ray's internals (its docstring): no other module names a private Ray name."""
+
+
+def private_ray_names(path: Path) -> list[str]:
+    """What a file takes from Ray's private parts: an import of a module with a private part
+    (`ray._private`, `ray.train.v2._internal`), a private name imported from Ray, an attribute path
+    through one (`ray._private.state`), and a method that overrides a private one of a class of Ray's."""
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "ray" and any(p.startswith("_") and not p.endswith("__") for p in parts)
+
+    tree = ast.parse(path.read_text())
+    from_ray = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module and node.module.split(".")[0] == "ray" for alias in node.names}
+    found, paths = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [f"{node.module}.{a.name}" for a in node.names if private(f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+            parts, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                parts.insert(0, inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == "ray" and private(".".join(["ray", *parts])):
+                paths.append(".".join(["ray", *parts]))
+        elif isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id in from_ray for b in node.bases):
+            found += [f"{node.name}.{f.name}" for f in node.body if isinstance(f, ast.FunctionDef)
+                      and f.name.startswith("_") and not f.name.startswith("__")]
+    found += [p for p in paths if not any(other.startswith(p + ".") for other in paths)]  # the whole path once
+    return sorted(set(found))
+
+
+def test_the_wall_sees_each_kind_of_private_use(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import ray\nimport ray._private.state\nfrom ray.train.v2._internal.util import TrainingFramework\n"
+        "from ray.train import _internal\nfrom ray.train import Checkpoint\nfrom ray.train.torch import TorchTrainer\n"
+        "x = ray._private.state.state\ny = ray.train.report\nz = ray.__version__\n"
+        "class T(TorchTrainer):\n    def _initialize_and_run_controller(self): pass\n    def __init__(self): pass\n"
+    )
+    assert private_ray_names(sample) == [
+        "T._initialize_and_run_controller", "ray._private.state", "ray._private.state.state",
+        "ray.train._internal", "ray.train.v2._internal.util.TrainingFramework",
+    ]
+
+
+def test_no_module_but_the_door_names_a_private_ray_name():
+    outside = [p for name, p in MODULES.items() if not (name == RAY_DOOR or name.startswith(RAY_DOOR + "."))]
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    found = {str(p.relative_to(REPO)): names for p in outside + tests if (names := private_ray_names(p))}
+    assert found == {}
+
+
+def test_the_door_imports_ray_lazily_where_a_name_may_be_missing():
+    """Its face imports no Ray at all: a missing name breaks one feature at its use, not every command."""
+    assert {m for m in imports(RAY_DOOR) if m.split(".")[0] == "ray"} == set()
+
+
 def test_config_imports_no_other_project_module():
     assert project_imports("raytrain_ddp.config") == set()
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ray.train.v2._internal.constants import DEFAULT_WORKER_GROUP_START_TIMEOUT_S
+
+from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s
 
 REPO = Path(__file__).resolve().parents[1]
 TESTBED = REPO / "tests" / "slurm" / "testbed.sh"
@@ -720,7 +721,7 @@ def test_elastic_run_loses_a_node_and_finishes_on_the_other(lab: Lab) -> None:
     assert resize["position"] > 0, resize  # resumed mid-epoch, from a global position
     # The restart asked for no worker on n2, which the GCS still calls alive for a while: such a
     # placement group is never placed, and the restart sits out Ray Train's worker-group start timeout.
-    assert resize["at"] - killed_at < DEFAULT_WORKER_GROUP_START_TIMEOUT_S, (resize["at"] - killed_at, job.log)
+    assert resize["at"] - killed_at < worker_group_start_timeout_s(), (resize["at"] - killed_at, job.log)
     # The interrupted epoch trained each of its 2048 samples once: the samples before the resize
     # (2 ranks) and the rest (1 rank) add up to the set, not the set plus a redone part.
     assert int(rows[1]["samples"]) == 2048, rows[1]

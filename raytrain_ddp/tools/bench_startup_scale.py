@@ -8,7 +8,7 @@ nodes, each with `--cpus-per-node` logical CPUs, all on this machine's real core
 
 - **run**: `raytrain run --workers N` (tiny: 1 epoch, 256 samples, convnet); its summary.json stages.
 - **ray only**: a Ray Train V2 `DataParallelTrainer` (no torch backend), started as the runs start
-  theirs (fast_start.py), whose train fn only notes the time; fit() to rank 0 entering it. Ray's
+  theirs (ray_compat/controller.py), whose train fn only notes the time; fit() to rank 0 entering it. Ray's
   controller, placement and worker-group start at N, with no torch in the workers (the arm reports
   whether torch got imported anyway).
 - **imports**: N plain `python -c "import torch, torch.distributed, torchvision"` processes started
@@ -101,7 +101,7 @@ from pathlib import Path
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-from raytrain_ddp.fast_start import fast
+from raytrain_ddp.ray_compat import fast
 
 def entered(config):
     import ray.train

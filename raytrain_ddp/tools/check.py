@@ -83,16 +83,6 @@ def nodes_table() -> list[str]:
     return lines
 
 
-def auth_enabled() -> bool:
-    try:
-        from ray._private.authentication.authentication_utils import (
-            is_token_auth_enabled,
-        )
-    except ImportError:  # an older Ray without token auth
-        return False
-    return is_token_auth_enabled()
-
-
 def check(cfg: Any, iters: int) -> bool:
     """Print the cluster and the collective results; True when every rank passed."""
     import ray
@@ -100,10 +90,11 @@ def check(cfg: Any, iters: int) -> bool:
     from ray.util.queue import Queue
 
     from raytrain_ddp.cluster import connect, preflight, trainer_configs
-    from raytrain_ddp.fast_start import fast
+    from raytrain_ddp.ray_compat.state import token_auth_enabled
+    from raytrain_ddp.ray_compat import fast
 
     connect(cfg)
-    print(f"Ray {ray.__version__}, token auth {'on' if auth_enabled() else 'OFF'}")
+    print(f"Ray {ray.__version__}, token auth {'on' if token_auth_enabled() else 'OFF'}")
     print("\n".join(nodes_table()))
     cfg = preflight(cfg)
     scaling, run_config, torch_config = trainer_configs(cfg)

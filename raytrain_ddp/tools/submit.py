@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 import raytrain_ddp
-from raytrain_ddp.cluster import PASSED_TO_WORKERS
+from raytrain_ddp.cluster import PASSED_TO_WORKERS, version_mismatch
 from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
 from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.launch import LAUNCH_FIELDS, find_target
@@ -147,7 +147,10 @@ def connect(address: str | None) -> tuple[Any, str]:
     except ImportError:
         raise ConfigError("the Ray Jobs client is missing; pip install 'ray[default]'") from None
     headers = auth_headers()
-    check_dashboard(url, headers)
+    import ray
+
+    if mismatch := version_mismatch(url, check_dashboard(url, headers), ray.__version__):
+        raise ConfigError(mismatch)
     # Ray logs every package upload and socket close at INFO; we say what matters ourselves.
     for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
                  "ray._private.runtime_env.packaging"):

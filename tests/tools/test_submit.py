@@ -333,10 +333,10 @@ def test_rayjob_runs_raytrain_on_gpus_with_storage_on_the_shared_volume():
 
 
 def test_onprem_config_is_valid_for_the_cluster_launcher_and_uses_a_token():
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from raytrain_ddp.ray_compat.state import check_cluster_config
 
     [config] = load("onprem.yaml")
-    validate_config(prepare_config(config))  # what `ray up` checks first
+    check_cluster_config(config)  # what `ray up` checks first
     assert config["provider"]["type"] == "local"
     assert config["provider"]["head_ip"] and config["provider"]["worker_ips"]
     assert any("pip install" in c and "~/raytrain/src" in c for c in config["setup_commands"])

@@ -1,0 +1,141 @@
+"""Ray Train, started lean: `fast(TorchTrainer)` and `fast(DataParallelTrainer)` start the same run
+as Ray's own classes, less three costs that a start-up trace found in every run (docs/performance.md):
+
+- **The controller's runtime_env.** Ray Train gives its controller one (`RAY_WARN_BLOCKING_GET_INSIDE_ASYNC=0`,
+  plus any `RAY_TRAIN_*` variable the driver sets), and every actor the controller creates inherits
+  it. So none of those processes can take one of Ray's idle worker processes, and each starts Python
+  twice (`setup_worker.py`, then the worker). When the driver sets no `RAY_TRAIN_*` variable, the
+  controller here starts without one and sets that warning switch in its own process.
+- **The DatasetManager.** Its process is made for every run, with or without Ray Datasets. Here it
+  is made only when the run has datasets.
+- **The PlacementGroupCleaner** (Ray >= 2.53). It asks the State API, from inside an actor, whether
+  the controller is alive. On a token-secured cluster that call times out, so the cleaner never
+  cleans anything, and its `stop()` holds the end of every fit. Its one job, removing the placement
+  groups of a controller that died (Ray keeps them until the driver exits), is done here instead,
+  by the driver, when its fit ends (`remove_dead_controllers_groups`).
+
+(The fourth, torch on the controller, is process_group.py's.) The fast start overrides the private
+method through which the trainer starts its controller; where the installed Ray lacks any name it
+needs (ray_compat.FEATURES["fast_start"]), `ray_compat.fast` returns Ray's class, which starts the
+usual way.
+
+This module must not import torch: the controller unpickles from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from ray.train.v2._internal.execution.controller import TrainController as RayTrainController
+
+from raytrain_ddp.ray_compat.features import has, supports
+
+logger = logging.getLogger(__name__)
+
+
+class TrainController(RayTrainController):
+    """Ray Train's controller, started without a runtime_env: it sets its one variable itself."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        # The controller blocks on ray.get by design; Ray's runtime_env silences the warning so.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+        super().__init__(**kwargs)
+
+
+def needed(callback: Any, datasets: dict[str, Any]) -> bool:
+    """False for the controller callbacks whose processes cost a run time and give it nothing. Ray's
+    cleaner stays where this driver cannot do its job (can_clean_up); a Ray without one of these
+    callbacks (the DatasetManager's is 2.53's, the cleaner 2.53's) keeps all it has."""
+    import ray.train.v2._internal.callbacks.datasets as ray_datasets
+
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        PlacementGroupCleanerCallback = ()  # noqa: N806  (isinstance of nothing)
+    if isinstance(callback, PlacementGroupCleanerCallback):
+        return not can_clean_up()
+    return bool(datasets) or not isinstance(callback, getattr(ray_datasets, "DatasetsCallback", ()))
+
+
+class FastStart:
+    """Mixed in before a Ray Train V2 trainer class: it overrides the one private method through
+    which the trainer starts its controller (`ray_compat.fast` checks first that the installed Ray has it)."""
+
+    def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
+        import ray
+        from ray.train.v2._internal.constants import get_env_vars_to_propagate
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if "callbacks" in kwargs:
+            kwargs["callbacks"] = [cb for cb in kwargs["callbacks"] if needed(cb, self.datasets)]
+        if "scaling_policy" in kwargs and supports("elastic"):
+            from raytrain_ddp.ray_compat.elastic import staying_nodes_only
+
+            kwargs["scaling_policy"] = staying_nodes_only(kwargs["scaling_policy"])
+        remove_dead_controllers_groups()  # an earlier fit's, in this driver, if its end could not
+        try:
+            if get_env_vars_to_propagate():  # the user's RAY_TRAIN_* settings travel in the runtime_env
+                return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
+            driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # as Ray's
+            controller = ray.remote(num_cpus=0, scheduling_strategy=driver_node)(TrainController).remote(**kwargs)
+            if threading.current_thread() is threading.main_thread():  # Ray's Ctrl-C handling, as Ray does
+                self._register_sigint_handler(controller)  # type: ignore[attr-defined]
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
+        finally:
+            remove_dead_controllers_groups()
+
+
+# --- placement groups of a controller that died ---
+
+
+def groups_of_dead_controllers() -> list[str] | None:
+    """Hex ids of the live placement groups that an actor of this job created and that outlived it
+    (a controller killed mid-run). Ray removes a group only once both its creator and the job are
+    dead, so a driver that goes on to another fit keeps them reserved. None where this Ray's GCS
+    records cannot be read. Never another job's groups."""
+    import ray
+
+    try:
+        from ray._private.state import state
+        from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    except ImportError:
+        return None
+    try:
+        table = state._connect_and_get_accessor().get_placement_group_table()
+    except AttributeError:
+        return None
+    job = ray.get_runtime_context().get_job_id()
+    found = []
+    for raw in table:
+        group = PlacementGroupTableData.FromString(raw)
+        if (group.creator_job_id.hex() == job and group.creator_actor_dead and not group.is_detached
+                and group.state != PlacementGroupTableData.REMOVED):
+            found.append(group.placement_group_id.hex())
+    return found
+
+
+def can_clean_up() -> bool:
+    """Whether this Ray lets the driver read who created each placement group (else Ray's cleaner stays)."""
+    if not has("ray._private.state:state._connect_and_get_accessor"):
+        return False
+    try:
+        from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    except ImportError:
+        return False
+    return {"creator_job_id", "creator_actor_dead"} <= set(PlacementGroupTableData.DESCRIPTOR.fields_by_name)
+
+
+def remove_dead_controllers_groups() -> None:
+    """Remove the placement groups a dead controller of this job left reserved."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    try:
+        for hex_id in groups_of_dead_controllers() or []:
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(hex_id))))
+    except Exception as err:  # never fail a fit's end over it: the job's exit removes them anyway
+        logger.warning("could not remove a dead controller's placement groups: %s", err)

@@ -1,0 +1,87 @@
+"""What Ray knows that it has no public call for: each read here is imported at its use and has a
+stock answer where the installed Ray lacks it."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WORKER_GROUP_START_TIMEOUT_S = 60.0
+"""Ray Train's default for how long a worker group may take to start, where Ray does not say."""
+
+
+def lost_and_draining_nodes() -> tuple[set[str], set[str]]:
+    """(dead node ids, ids of nodes Ray is draining), from the GCS, as Ray Train asks. A Ray without
+    the draining call gives none: its drains are seen only once the node is gone."""
+    import ray
+
+    dead = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+    try:
+        from ray._private.state import state
+    except ImportError:
+        return dead, set()
+    if not hasattr(state, "get_draining_nodes"):
+        return dead, set()
+    return dead, set(state.get_draining_nodes())
+
+
+def token_auth_enabled() -> bool:
+    """Whether this process talks to Ray with a token (Ray's own switch)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return False
+    return bool(is_token_auth_enabled())
+
+
+def quiet_ray_notices() -> None:
+    """Ray's notes at every local start that are no news to our users: that it turned token auth on
+    (good news), and, before 2.53, a FutureWarning about GPU variables on CPU workers."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+
+
+def local_gpu_mib() -> float | None:
+    """The smallest GPU memory on this machine, from NVML through Ray's own copy of pynvml (Ray counts
+    GPUs with it): no CUDA context, which a driver would otherwise hold on GPU 0 for the whole run.
+    None without a GPU, NVML or that copy."""
+    try:
+        import ray._private.thirdparty.pynvml as nvml
+
+        nvml.nvmlInit()
+        try:
+            sizes = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total
+                     for i in range(nvml.nvmlDeviceGetCount())]
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:  # no driver, no GPU, or Ray moved its copy: the estimate is printed unchecked
+        return None
+    return min(sizes) / 2**20 if sizes else None
+
+
+def torch_framework() -> Any:
+    """TrainingFramework.TORCH, what Ray's Train dashboard shows for a torch run; None where Ray has none."""
+    try:
+        from ray.train.v2._internal.util import TrainingFramework
+    except ImportError:
+        return None
+    return TrainingFramework.TORCH
+
+
+def worker_group_start_timeout_s() -> float:
+    """How long Ray Train lets a worker group start before it retries."""
+    try:
+        from ray.train.v2._internal.constants import DEFAULT_WORKER_GROUP_START_TIMEOUT_S
+    except ImportError:
+        return WORKER_GROUP_START_TIMEOUT_S
+    return float(DEFAULT_WORKER_GROUP_START_TIMEOUT_S)
+
+
+def check_cluster_config(config: dict[str, Any]) -> None:
+    """What `ray up` checks first in a cluster launcher config; raises on a bad one."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(config))
