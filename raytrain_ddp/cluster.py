@@ -18,7 +18,12 @@ from typing import Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.ray_compat import has
-from raytrain_ddp.ray_compat.state import local_gpu_mib, quiet_ray_notices
+from raytrain_ddp.ray_compat.state import (
+    cluster_ray_version,
+    free_resources_per_node,
+    local_gpu_mib,
+    quiet_ray_notices,
+)
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
@@ -78,6 +83,11 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         # A driver that names an address does not turn token auth on by itself, even with a token.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     with stderr_captured(not cfg.verbose) as log:
+        # Before ray.init: across releases it may not get far enough to say (a 2.52 driver waits 40 s
+        # for a key a 2.60 cluster no longer writes), and a driver must run the cluster's exact Ray.
+        theirs = None if address.startswith("ray://") else cluster_ray_version(address)
+        if theirs and (mismatch := version_mismatch(address, theirs, ray.__version__)):
+            raise ConfigError(mismatch)
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
             return
@@ -178,14 +188,21 @@ def choose_layout(cfg: TrainConfig, node_cpus: list[int]) -> TrainConfig:
     return dataclasses.replace(cfg, cpus_per_worker=cpus, placement=cfg.placement or ("spread" if share else "pack"))
 
 
-def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
-    """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
+def room(cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> int:
+    """How many workers of `cpus_per_worker` CPUs (and a GPU each with `gpu`) `nodes` hold, each node a
+    Ray resources dict: a worker never spans two nodes."""
     fits = 0
     for node in nodes:
         here = int(node.get("CPU", 0) // cpus_per_worker)
         if gpu:
             here = min(here, int(node.get("GPU", 0)))
         fits += here
+    return fits
+
+
+def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict]) -> str | None:
+    """Why `workers` workers cannot be placed on `nodes` (each a Ray resources dict), or None."""
+    fits = room(cpus_per_worker, gpu, nodes)
     if fits >= workers:
         return None
     kind = "GPU" if gpu else "CPU"
@@ -207,6 +224,74 @@ def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list
     )
 
 
+def amount(n: float, kind: str) -> str:
+    return f"{n:g} {kind}{'s' if n != 1 else ''}"
+
+
+def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict], groups: list[dict],
+                 max_workers: int | None = None, waited: float = 0.0) -> str | None:
+    """Why `workers` workers, which the cluster's nodes hold (placement_problem), cannot start on what
+    is free now, and who holds the rest where Ray can tell; None when they fit.
+
+    `nodes`: each live node as {"id", "ip", "total", "free"} (Ray resources dicts), or one record for
+    the whole cluster (id and ip "") where Ray tells no more; `groups`: the values of
+    ray.util.placement_group_table(). `max_workers`: an elastic run's MAX (it starts at `workers`);
+    `waited`: the seconds of --wait-for-resources already spent."""
+    fits = room(cpus_per_worker, gpu, [n["free"] for n in nodes])
+    if fits >= workers:
+        return None
+    # With --gpu, a worker needs a CPU too: say what is short
+    kind = "GPU" if gpu and sum(int(n["free"].get("GPU", 0)) for n in nodes) < workers else "CPU"
+    held = {n["id"]: n["total"].get(kind, 0) - n["free"].get(kind, 0) for n in nodes}
+    # A placement group holds its bundles from its creation to its removal, used or not: another
+    # Ray Train run's workers, or a job that reserved them. Ours has none yet: preflight comes first.
+    grouped: dict[str, float] = {}
+    holders = 0
+    for group in groups:
+        if group.get("state") != "CREATED":
+            continue
+        placed = group.get("bundles_to_node_id", {})
+        here = [(placed.get(i), bundle.get(kind, 0)) for i, bundle in group.get("bundles", {}).items()]
+        here = [(node, n) for node, n in here if node and n]
+        holders += bool(here)
+        for node, n in here:
+            grouped[node] = grouped.get(node, 0) + n
+    # The rest of what is held, tasks and actors hold outside any placement group.
+    loose = {node: n - grouped.get(node, 0) for node, n in held.items() if n > grouped.get(node, 0)}
+    if "" in held:  # one record for the whole cluster: only the sums are known
+        loose = {"": n} if (n := held[""] - sum(grouped.values())) > 0 else {}
+    ips = {n["id"]: n["ip"] for n in nodes}
+
+    def where(node_ids: list[str]) -> str:
+        named = sorted({ips[node] for node in node_ids if ips.get(node)})
+        if not named:
+            return f" on {len(node_ids)} node{'s' if len(node_ids) != 1 else ''}" if any(node_ids) else ""
+        more = f" and {len(named) - 3} more nodes" if len(named) > 3 else ""
+        return " on " + ", ".join(named[:3]) + more
+
+    def is_held(n: float) -> str:
+        return f"{amount(n, kind)} {'is' if n == 1 else 'are'} held"
+
+    who = []
+    if in_groups := min(sum(grouped.values()), sum(held.values())):
+        plural = "s" if holders != 1 else ""
+        who.append(f"{is_held(in_groups)} by {holders} placement group{plural} (another job or run){where(list(grouped))}")
+    if n := sum(loose.values()):
+        who.append(f"{f'{n:g}' if who else is_held(n)} by other jobs' tasks or actors{where(list(loose))}")
+    free = sum(n["free"].get(kind, 0) for n in nodes)
+    now = f"only {amount(free, kind)} {'is' if free == 1 else 'are'} free now" if free else f"no {kind} is free now"
+    if kind == "CPU" and cpus_per_worker > 1 and free:
+        now += f", room for {fits} worker{'s' if fits != 1 else ''}"
+    need = f"{workers} worker{'s' if workers != 1 else ''} x {amount(cpus_per_worker, 'CPU')}"
+    if gpu:
+        need = f"{workers} GPUs" + (f" and {amount(cpus_per_worker, 'CPU')} each" if kind == "CPU" else "")
+    if max_workers:
+        need = f"at least {need} (the elastic run's MIN)"
+    wait = f"wait longer than --wait-for-resources {waited:g}" if waited else "wait with --wait-for-resources SECONDS"
+    lower = f", or lower --workers to {fits}{f':{max_workers}' if max_workers else ''}" if fits else ""
+    return f"asked for {need}; the cluster has them, but {now}{': ' + ', '.join(who) if who else ''}; {wait}{lower}"
+
+
 def live_nodes() -> list[dict]:
     """The resources dict of each live node of the Ray cluster this process is connected to."""
     import ray
@@ -214,31 +299,85 @@ def live_nodes() -> list[dict]:
     return [n["Resources"] for n in ray.nodes() if n["Alive"]]
 
 
+SETTLE_S = 1.0
+"""How long preflight reads again a cluster where something is held: resources given back (this
+driver's previous run under `raytrain scale`, a job that just ended) reach Ray's view about 0.1 s later."""
+
+
+def node_use(settle_s: float = 0.0) -> list[dict]:
+    """Each live node as {"id", "ip", "total", "free"} (Ray resources dicts), for busy_problem; one
+    record for the whole cluster, with no id or ip, where Ray tells only the cluster's free resources.
+    While a CPU or GPU is held, read again for up to `settle_s`."""
+    import ray
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        free = free_resources_per_node()
+        if "" in free:
+            total: dict[str, float] = {}
+            for node in alive:
+                for name, n in node["Resources"].items():
+                    total[name] = total.get(name, 0) + n
+            use = [{"id": "", "ip": "", "total": total, "free": free[""]}]
+        else:
+            # A node not in Ray's view of free resources yet cannot take a worker yet either.
+            use = [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "total": n["Resources"], "free": free[n["NodeID"]]}
+                   for n in alive if n["NodeID"] in free]
+        held = any(n["free"].get(kind, 0) < n["total"].get(kind, 0) for n in use for kind in ("CPU", "GPU"))
+        if not held or time.monotonic() >= deadline:
+            return use
+        time.sleep(0.2)
+
+
+def placement_groups() -> list[dict]:
+    """Every placement group of the cluster, as ray.util.placement_group_table() lists it."""
+    import ray
+
+    return list(ray.util.placement_group_table().values())
+
+
 def preflight(cfg: TrainConfig) -> TrainConfig:
-    """Fail in seconds, naming what is missing, instead of waiting forever for resources; then
-    choose the layout (choose_layout) from the nodes there are, say it, and return cfg with it."""
+    """Fail in seconds, naming what is missing or held, instead of waiting forever for resources
+    (--wait-for-resources waits that long first); then choose the layout (choose_layout) from the
+    CPUs free on the nodes, say it, and return cfg with it."""
     deadline = time.monotonic() + cfg.wait_for_resources
+    cpus = cfg.cpus_per_worker or 1
+    said = False
     while True:
         nodes = live_nodes()
-        problem = placement_problem(cfg.workers, cfg.cpus_per_worker or 1, cfg.gpu, nodes)
+        # What the nodes have, then what of it is free: Ray Train would wait forever for either,
+        # retrying its worker-group start without a word.
+        problem = placement_problem(cfg.workers, cpus, cfg.gpu, nodes)
+        if problem is None:
+            use = node_use(settle_s=0.0 if said else SETTLE_S)
+            problem = busy_problem(cfg.workers, cpus, cfg.gpu, use, placement_groups(), cfg.max_workers,
+                                   cfg.wait_for_resources)
         if problem is None:
             break
         if time.monotonic() >= deadline:
             raise ConfigError(problem)
+        if not said:
+            print(f"waiting up to {cfg.wait_for_resources:g} s (--wait-for-resources): {problem.rsplit('; ', 1)[0]}",
+                  file=sys.stderr)
+            said = True
         time.sleep(1.0)
-    chosen = choose_layout(cfg, [int(n.get("CPU", 0)) for n in nodes])
-    total_cpus = sum(int(n.get("CPU", 0)) for n in nodes)
-    if chosen.loader == "ray" and total_cpus - chosen.workers * chosen.cpus_per_worker < 1:
+    total_cpus = [int(n.get("CPU", 0)) for n in nodes]
+    # The layout takes what is free: CPUs another job holds would leave a worker waiting for them.
+    free_cpus = total_cpus if use[0]["id"] == "" else [int(n["free"].get("CPU", 0)) for n in use]
+    chosen = choose_layout(cfg, free_cpus)
+    free = " free" if sum(free_cpus) < sum(total_cpus) else ""
+    if chosen.loader == "ray" and sum(free_cpus) - chosen.workers * chosen.cpus_per_worker < 1:
         raise ConfigError(
             "--loader ray decodes images in Ray Data tasks, which need CPUs beside the training workers', "
-            f"but the workers take all {total_cpus}; lower --workers or --cpus-per-worker, add CPUs, or use --loader torch"
+            f"but the workers take all {sum(free_cpus)}{free}; lower --workers or --cpus-per-worker, add CPUs, or use --loader torch"
         )
     if chosen != cfg:
-        node_cpus = sorted((int(n.get("CPU", 0)) for n in nodes), reverse=True)
+        node_cpus = sorted(free_cpus, reverse=True)
         print(
             f"layout: {cfg.max_workers or cfg.workers} workers x {chosen.cpus_per_worker} CPU{'s' if chosen.cpus_per_worker > 1 else ''} "
             f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
-            f"{'+'.join(map(str, node_cpus))} CPUs; --cpus-per-worker and --placement override",
+            f"{'+'.join(map(str, node_cpus))}{free} CPUs; --cpus-per-worker and --placement override",
             file=sys.stderr,
         )
     return chosen
@@ -377,7 +516,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
 
 
 def train_log_level(level: str) -> dict[str, Any]:
-    """RunConfig's logging_config at `level`, where Ray Train has one (2.53 and later)."""
+    """RunConfig's logging_config at `level`, where Ray Train has one (2.58 and later)."""
     if not has("ray.train:LoggingConfig"):
         return {}
     from ray.train import LoggingConfig

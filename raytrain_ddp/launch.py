@@ -149,7 +149,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     )
 
     from raytrain_ddp import shipping
-    from raytrain_ddp.launch_agent import LaunchHub, resize_notice, run_script
+    from raytrain_ddp.launch_agent import LaunchHub, hub_options, resize_notice, run_script
 
     placement = shipping.place(target.file, target.root)
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
@@ -159,7 +159,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     if signals.received:  # before any rank started: nothing to forward, nothing lost
         return signals.before_start()
     scaling, run_config, _ = trainer_configs(cfg)
-    hub = LaunchHub.options(scheduling_strategy=on_this_node()).remote()
+    hub = LaunchHub.options(scheduling_strategy=on_this_node(), **hub_options(cfg.max_workers or cfg.workers)).remote()
     if cfg.elastic:  # SIGTERM and the grace before Ray Train resizes the group, not a kill
         run_config.callbacks.append(ray_compat.before_resize(functools.partial(resize_notice, hub, stop_grace_s)))
     trainer = ray_compat.fast(DataParallelTrainer)(

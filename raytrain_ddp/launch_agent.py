@@ -210,6 +210,17 @@ class LaunchHub:
         }
 
 
+def hub_options(world_size: int) -> dict[str, Any]:
+    """The hub's actor options for a run of at most `world_size` ranks."""
+    # Each rank holds up to two calls in the hub at once: its agent's own (join, which waits for every
+    # rank, then wait_abort or exited) and its listener's wait_abort. After a restart the dead
+    # attempt's listener calls linger up to WAIT_S beside the new attempt's joins: 3 per rank. A
+    # rank's output calls, the driver's and the controller's add a few more: headroom of one per
+    # rank and 100. Ray's default for async actors (1,000) would let 1,000 ranks' joins wait for a
+    # 1,001st that never runs; the floor keeps small runs as they were.
+    return {"max_concurrency": max(1000, 4 * world_size + 100)}
+
+
 def resize_notice(hub: Any, grace_s: float, world_size: int) -> None:
     """In Ray Train's controller, before it resizes the worker group (an elastic run that found room
     for more ranks, or fits fewer; ray_compat.before_resize): the running scripts get SIGTERM and the

@@ -18,7 +18,7 @@ from raytrain_ddp.config import ConfigError, TrainConfig
 
 PROBE_TIMEOUT_S = 60.0
 """How long the per-node file check may take before we give up and ship the code."""
-SHIP_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", "venv", "runs", "*.egg-info"]
+SHIP_EXCLUDES = [".git", "**/__pycache__", "*.pyc", ".venv", ".venv-*", "venv", "runs", "*.egg-info"]
 """Never shipped: version control, caches, virtual environments, our own run directories."""
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.cluster import choose_layout, cpu_share, placement_problem
+from raytrain_ddp.cluster import busy_problem, choose_layout, cpu_share, placement_problem
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.metrics import read_csv
 from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s
 from raytrain_ddp.tools.head import joined_node, local_head
+from conftest import TINY, raytrain
 
 
 def test_fits():
@@ -46,6 +47,118 @@ def test_cpus_do_not_split_across_nodes():
 def test_uneven_nodes():
     problem = placement_problem(9, 1, False, [{"CPU": 4}, {"CPU": 2}])
     assert "4 + 2 CPUs on 2 nodes" in problem
+
+
+def node(ip: str, total: dict, free: dict) -> dict:
+    return {"id": f"id-{ip}", "ip": ip, "total": total, "free": free}
+
+
+def group(*bundles: tuple[dict, str], state: str = "CREATED") -> dict:
+    """A placement group as ray.util.placement_group_table() lists it: (resources, node) per bundle."""
+    return {"state": state, "bundles": {i: res for i, (res, _) in enumerate(bundles)},
+            "bundles_to_node_id": {i: f"id-{ip}" for i, (_, ip) in enumerate(bundles)}}
+
+
+HELD = [group(*[({"CPU": 1.0}, "192.0.2.2")] * 3)]
+"""Another job's 3 one-CPU bundles on a 4-CPU node."""
+
+
+def test_what_another_job_holds_is_named_with_the_fix():
+    nodes = [node("192.0.2.2", {"CPU": 4.0}, {"CPU": 1.0})]
+    assert placement_problem(2, 1, False, [n["total"] for n in nodes]) is None  # the totals hold them
+    assert busy_problem(2, 1, False, nodes, HELD) == (
+        "asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held by "
+        "1 placement group (another job or run) on 192.0.2.2; wait with --wait-for-resources SECONDS, "
+        "or lower --workers to 1"
+    )
+    assert busy_problem(1, 1, False, nodes, HELD) is None
+    # After --wait-for-resources ran out; a removed group holds nothing, the rest is tasks' or actors'.
+    problem = busy_problem(2, 1, False, nodes, [{**HELD[0], "state": "REMOVED"}], waited=30)
+    assert "3 CPUs are held by other jobs' tasks or actors on 192.0.2.2; wait longer than --wait-for-resources 30," in problem
+
+
+def test_free_cpus_count_per_node_and_each_holder_is_named():
+    nodes = [node("192.0.2.2", {"CPU": 4.0}, {"CPU": 1.0}), node("192.0.2.3", {"CPU": 4.0}, {"CPU": 1.0})]
+    # 2 CPUs are free, but not on one node: no 2-CPU worker fits.
+    assert busy_problem(1, 2, False, nodes, HELD) == (
+        "asked for 1 worker x 2 CPUs; the cluster has them, but only 2 CPUs are free now, room for 0 workers: "
+        "3 CPUs are held by 1 placement group (another job or run) on 192.0.2.2, 3 by other jobs' tasks or actors "
+        "on 192.0.2.3; wait with --wait-for-resources SECONDS"
+    )
+
+
+def test_an_elastic_run_needs_only_its_min_free():
+    nodes = [node("192.0.2.2", {"CPU": 4.0}, {"CPU": 1.0})]
+    assert busy_problem(1, 1, False, nodes, HELD, max_workers=4) is None
+    assert busy_problem(2, 1, False, nodes, HELD, max_workers=4).startswith(
+        "asked for at least 2 workers x 1 CPU (the elastic run's MIN); the cluster has them, but only 1 CPU")
+    assert busy_problem(2, 1, False, nodes, HELD, max_workers=4).endswith("or lower --workers to 1:4")
+
+
+def test_held_gpus_and_cpus():
+    gpus = [node("192.0.2.2", {"CPU": 8.0, "GPU": 4.0}, {"CPU": 6.0, "GPU": 2.0})]
+    held = [group(({"CPU": 1.0, "GPU": 1.0}, "192.0.2.2"), ({"CPU": 1.0, "GPU": 1.0}, "192.0.2.2"))]
+    assert busy_problem(4, 1, True, gpus, held).startswith(
+        "asked for 4 GPUs; the cluster has them, but only 2 GPUs are free now: 2 GPUs are held by 1 placement group")
+    # GPUs free, CPUs not: the CPUs are named.
+    busy = [node("192.0.2.2", {"CPU": 8.0, "GPU": 4.0}, {"CPU": 1.0, "GPU": 4.0})]
+    assert busy_problem(2, 1, True, busy, []).startswith(
+        "asked for 2 GPUs and 1 CPU each; the cluster has them, but only 1 CPU is free now: 7 CPUs are held by other jobs'")
+
+
+def test_a_ray_that_tells_only_the_clusters_free_resources():
+    whole = [{"id": "", "ip": "", "total": {"CPU": 8.0}, "free": {"CPU": 1.0}}]
+    assert busy_problem(2, 1, False, whole, HELD) == (
+        "asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held by "
+        "1 placement group (another job or run) on 1 node, 4 by other jobs' tasks or actors; "
+        "wait with --wait-for-resources SECONDS, or lower --workers to 1"
+    )
+
+
+HOLDER = """
+import sys, ray
+ray.init()
+group = ray.util.placement_group([{"CPU": 1}] * 3)
+ray.get(group.ready())
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+"""Another job: a Ray driver that holds 3 CPUs in a placement group while it runs."""
+
+
+@pytest.mark.e2e
+def test_a_request_the_cluster_has_but_another_job_holds_fails_in_seconds_or_waits(ray_head, tmp_path):
+    """Another job holds 3 of the head's 4 CPUs: `--workers 2` fits the cluster but not what is free.
+    It exits 2 with the one line before any worker starts (before this, Ray Train retried its worker
+    group's start every 60 s, silently); with --wait-for-resources it starts once the other job ends."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=ray_head.env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    driver = None
+    try:
+        assert holder.stdout.readline() == "held\n", f"the holder exited {holder.poll()}"
+        args = ["run", "--workers", "2", "--storage-path", str(tmp_path), *TINY]
+        refused = raytrain(*args, "--name", "refused", env=ray_head.env, timeout=60)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith(
+            "error: asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held "
+            "by 1 placement group (another job or run) on "), line
+        assert line.endswith("; wait with --wait-for-resources SECONDS, or lower --workers to 1"), line
+        assert "workers ->" not in refused.stdout  # no worker was asked for
+
+        driver = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", *args, "--name", "waited", "--wait-for-resources", "30"],
+                                  env=ray_head.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output: list[str] = []
+        read_until(driver, "waiting up to 30 s (--wait-for-resources): asked for 2 workers x 1 CPU", output)
+        assert output and output[-1].startswith("waiting"), "".join(output)[-3000:]
+        holder.stdin.close()  # the other job ends: Ray removes its placement group
+        output += driver.stdout.readlines()
+        assert driver.wait(timeout=120) == 0, "".join(output)[-3000:]
+    finally:
+        holder.kill()
+        if driver is not None:
+            driver.kill()
+    assert [r["epoch"] for r in read_csv(tmp_path / "waited" / "metrics.csv")] == ["1"]
 
 
 def test_cpu_workers_share_the_cluster_evenly():

@@ -82,6 +82,7 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> 
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp_path):
     args = [*RUN, "--storage-path", str(tmp_path), "--name", "c"]
     run_dir = tmp_path / "c"

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import socket
 
-from raytrain_ddp.ray_compat.elastic import answers
+import pytest
+
+from raytrain_ddp import ray_compat
+
+pytestmark = pytest.mark.skipif(not ray_compat.supports("elastic"), reason="Ray < 2.55 has no elastic runs")
 
 
 def test_a_node_answers_while_its_raylet_port_listens_and_not_once_it_is_closed():
+    from raytrain_ddp.ray_compat.elastic import answers
+
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()  # never accepts: the kernel does, as for a raylet too busy to

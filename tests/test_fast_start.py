@@ -1,15 +1,19 @@
 """ray_compat/controller.py (the fast start) and process_group.py: what the controller is sent imports no torch, and which Ray Train processes a run
-leaves out. The whole start is covered by every end-to-end run. The check that it stays fast after a
-Ray upgrade, `actors_started`, is used in test_cli.py against the shared head."""
+leaves out, and that the driver removes the placement groups of a controller that died (two fits
+in one driver, on the shared head). The whole start is covered by every end-to-end run. The check
+that it stays fast after a Ray upgrade, `actors_started`, is used in test_cli.py against the shared head."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import cloudpickle
+import pytest
+from conftest import REPO
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -59,3 +63,18 @@ def actors_started(logs: Path, before: dict[Path, int]) -> list[str]:
             fh.seek(before.get(f, 0))
             names += re.findall(r":actor_name:(\w+)", fh.read())
     return sorted(names)
+
+
+@pytest.mark.e2e
+def test_a_killed_controllers_placement_group_is_gone_once_the_next_fit_starts(ray_head, tmp_path):
+    # Ray removes a group only once its creator and the job are dead: without the driver's clean-up,
+    # a driver that fits again (the Python API, `raytrain scale`) keeps the dead fit's CPUs reserved.
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "dead_controller_fits.py"), str(tmp_path)],
+                          env=ray_head.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(seen["killed"]) == 1 and seen["fit1_failed"], seen  # fit 1's controller died mid-run
+    assert seen["after_fit1"], seen  # fit 1 had reserved its worker group
+    alive = {when: {g: state for g, state in seen[when].items() if state != "REMOVED"} for when in ("during_fit2", "after_fit2")}
+    assert alive == {"during_fit2": {}, "after_fit2": {}}, seen
+    assert list(seen["own"].values()) == ["CREATED"], seen  # the driver's own group is not a dead controller's

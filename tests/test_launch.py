@@ -30,6 +30,7 @@ def ranks_said(out: Path, world_size: int = 2) -> list[dict]:
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_torchrun_script_runs_unchanged(ray_head, tmp_path):
     out, runs = tmp_path / "out", tmp_path / "runs"
     proc = raytrain("launch", "--workers", "2", "--storage-path", str(runs), "--name", "t",
@@ -77,6 +78,7 @@ def test_failing_rank_is_named_and_its_exit_status_carried(ray_head, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_sigterm_reaches_the_script_which_checkpoints(ray_head, tmp_path):
     out = tmp_path / "out"
     driver = subprocess.Popen(

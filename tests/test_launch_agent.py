@@ -1,5 +1,5 @@
 """torchrun's environment for each rank, from where Ray placed the ranks; the script's output and
-its stop, on real child processes (no Ray)."""
+its stop, on real child processes (no Ray); the hub's rendezvous at scale, on the shared head."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+
+import pytest
+from conftest import REPO
 
 from raytrain_ddp.launch import mark
 from raytrain_ddp.launch_agent import (
@@ -118,3 +121,29 @@ def test_a_rank_that_already_exited_is_not_signalled():
     stopper = Stopper(proc, grace_s=1.0)
     stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})
     assert stopper.reason is None and proc.returncode == 0
+
+
+JOIN_ALL = """
+import sys, time, ray
+from raytrain_ddp.launch_agent import LaunchHub, hub_options
+n = int(sys.argv[1])
+ray.init(logging_level="ERROR")
+hub = LaunchHub.options(**hub_options(n)).remote()
+ray.get(hub.take_lines.remote())  # the hub is up: time the rendezvous alone
+started = time.monotonic()
+joins = [hub.join.remote("attempt", rank, n, {}) for rank in range(n)]
+done, _ = ray.wait(joins, num_returns=n, timeout=30)
+print(len(done), round(time.monotonic() - started, 1))
+"""
+
+
+@pytest.mark.e2e
+def test_a_world_larger_than_rays_default_concurrency_meets(ray_head):
+    # 1,001 ranks: with Ray's default max_concurrency (1,000) the first 1,000 joins wait for the
+    # last, which never runs. A driver of its own, so this process stays unconnected.
+    world = 1001
+    proc = subprocess.run([sys.executable, "-c", JOIN_ALL, str(world)], env=ray_head.env, cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    joined, seconds = proc.stdout.split()
+    assert int(joined) == world, f"{joined} of {world} ranks met in {seconds} s"

@@ -131,6 +131,17 @@ def ray_datasets(cfg: TrainConfig) -> dict | None:
     return {name: ray_split(cfg, root, manifest, name) for name in ("train", "val")}
 
 
+def file_shuffle(seed: int) -> Any:
+    """The training files' order, new every epoch, drawn from `seed`; the same every epoch on a Ray
+    whose FileShuffleConfig cannot reseed (before 2.55; README, Supported versions)."""
+    import ray.data
+
+    try:
+        return ray.data.FileShuffleConfig(seed=seed, reseed_after_execution=True)
+    except TypeError:
+        return ray.data.FileShuffleConfig(seed=seed)
+
+
 def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
     """One split as a lazy Ray Dataset: read Parquet -> cap -> decode and augment."""
     import ray.data
@@ -141,7 +152,7 @@ def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
     # fsspec's HTTPFileSystem when aiohttp is missing. include_paths names the shard in error
     # messages. The training shards are read in a new order every epoch (Ray Data reseeds the file
     # shuffle per execution), drawn from --seed so that runs repeat.
-    shuffle = ray.data.FileShuffleConfig(seed=cfg.seed, reseed_after_execution=True) if train else None
+    shuffle = file_shuffle(cfg.seed) if train else None
     ds = ray.data.read_parquet(
         str(root / name), columns=["image", "label", "source"], include_paths=True,
         shuffle=shuffle, num_cpus=READ_CPUS,

@@ -8,7 +8,7 @@ as Ray's own classes, less three costs that a start-up trace found in every run 
   controller here starts without one and sets that warning switch in its own process.
 - **The DatasetManager.** Its process is made for every run, with or without Ray Datasets. Here it
   is made only when the run has datasets.
-- **The PlacementGroupCleaner** (Ray >= 2.53). It asks the State API, from inside an actor, whether
+- **The PlacementGroupCleaner** (Ray >= 2.55). It asks the State API, from inside an actor, whether
   the controller is alive. On a token-secured cluster that call times out, so the cleaner never
   cleans anything, and its `stop()` holds the end of every fit. Its one job, removing the placement
   groups of a controller that died (Ray keeps them until the driver exits), is done here instead,
@@ -47,8 +47,8 @@ class TrainController(RayTrainController):
 
 def needed(callback: Any, datasets: dict[str, Any]) -> bool:
     """False for the controller callbacks whose processes cost a run time and give it nothing. Ray's
-    cleaner stays where this driver cannot do its job (can_clean_up); a Ray without one of these
-    callbacks (the DatasetManager's is 2.53's, the cleaner 2.53's) keeps all it has."""
+    cleaner stays where this driver cannot do its job (can_clean_up). Ray 2.52 has neither callback
+    (its DatasetsSetupCallback makes no process without datasets) and keeps all it has."""
     import ray.train.v2._internal.callbacks.datasets as ray_datasets
 
     try:
@@ -109,11 +109,12 @@ def groups_of_dead_controllers() -> list[str] | None:
     except AttributeError:
         return None
     job = ray.get_runtime_context().get_job_id()
+    driver = ray.ActorID.nil().binary()  # the creator of the driver's own groups, "dead" from the start
     found = []
     for raw in table:
         group = PlacementGroupTableData.FromString(raw)
-        if (group.creator_job_id.hex() == job and group.creator_actor_dead and not group.is_detached
-                and group.state != PlacementGroupTableData.REMOVED):
+        if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and group.creator_actor_dead
+                and not group.is_detached and group.state != PlacementGroupTableData.REMOVED):
             found.append(group.placement_group_id.hex())
     return found
 

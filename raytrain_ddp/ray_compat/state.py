@@ -3,6 +3,7 @@ stock answer where the installed Ray lacks it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from typing import Any
@@ -85,3 +86,32 @@ def check_cluster_config(config: dict[str, Any]) -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     validate_config(prepare_config(config))
+
+
+def free_resources_per_node() -> dict[str, dict[str, float]]:
+    """Each live node's free resources (what no task, actor or placement group holds), by node id
+    (hex), as the GCS last heard them. A Ray without the per-node call gives only the whole
+    cluster's, under the id "" (ray.available_resources)."""
+    import ray
+
+    try:
+        from ray._private.state import available_resources_per_node
+    except ImportError:
+        return {"": ray.available_resources()}
+    return available_resources_per_node()
+
+
+def cluster_ray_version(address: str, timeout_s: float = 10.0) -> str | None:
+    """The Ray release the cluster at `address` (host:port of its GCS) runs, as its GCS records it
+    for Ray's own version check; read before ray.init, which across releases may not get far enough
+    to say (a 2.52 driver waits 40 s for a key a 2.60 GCS no longer has). None where it cannot be read."""
+    try:
+        from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
+        from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
+        from ray._raylet import GcsClient
+
+        raw = GcsClient(address=address).internal_kv_get(CLUSTER_METADATA_KEY, namespace=KV_NAMESPACE_CLUSTER,
+                                                         timeout=timeout_s)
+        return str(json.loads(raw)["ray_version"]) if raw else None
+    except Exception:  # an older layout of Ray's modules, or a GCS that does not answer: Ray's own check
+        return None

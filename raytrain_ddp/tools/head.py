@@ -43,9 +43,11 @@ def free_port() -> int:
 
 @contextmanager
 def local_head(
-    num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus: int = 0, dashboard: bool = False
+    num_cpus: int, extra_env: dict[str, str] | None = None, num_gpus: int = 0, dashboard: bool = False,
+    ray: str | None = None,
 ) -> Iterator[Head]:
-    """A head on 127.0.0.1 with its own token; with `dashboard`, the Jobs API too (ray[default])."""
+    """A head on 127.0.0.1 with its own token; with `dashboard`, the Jobs API too (ray[default]).
+    `ray`: the `ray` command to start it with (another release's), default this Python's."""
     # A short temp dir: Ray's socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     os.chmod(tmp, 0o700)
@@ -83,7 +85,7 @@ def local_head(
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.Popen(
         [
-            str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+            ray or str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
             f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
             "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
@@ -165,11 +167,17 @@ def wait_until_joined(head: Head, tmp: Path, proc: subprocess.Popen, timeout_s: 
         raise TimeoutError(f"a joined node was not alive at the head within {timeout_s} s: {waiter.stderr.read()[-500:]}")
 
 
+STOP_TIMEOUT_S = 8.0
+"""How long a node has to stop after SIGTERM before its whole process group is SIGKILLed."""
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """Stop a `ray start --block` and everything it started (its own process group), and only that."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        # A started node stops in ~2 s (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0); `ray start` ignores
+        # SIGTERM until its node is up, so a head stopped seconds after it began would wait here.
+        proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
 

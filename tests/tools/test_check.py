@@ -15,6 +15,7 @@ def test_bus_bandwidth_formula():
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_healthy_cluster_passes(ray_head):
     proc = raytrain("check", "--workers", "2", "--iters", "2", env=ray_head.env, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
