@@ -77,7 +77,7 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
 
     # [3] Model, optimizer, schedule, mixed precision.
     model = model_builder(cfg.model, given.get("model"))(num_classes=cfg.num_classes, in_channels=loaders.in_channels)
-    if cuda:
+    if cuda and cfg.strategy == "ddp":  # FSDP2's fully_shard refuses channels_last (non-contiguous) weights
         model = model.to(memory_format=torch.channels_last)  # moves only 4-D (conv) weights
     if cfg.compile:
         # In place, before DDP: the state dict keeps its keys, and Dynamo never traces DDP's own
@@ -314,37 +314,58 @@ class Resume(NamedTuple):
 def restore(cfg: TrainConfig, rank: int, world_size: int, device: torch.device, model, optimizer, scaler, train_size: int) -> Resume:
     """Load the latest checkpoint, if any, into the model, optimizer and scaler. The hyperparameters
     a rerun may change (--lr, --momentum, --weight-decay, --epochs; the driver checked the rest) are
-    this run's, not the checkpoint's."""
+    this run's, not the checkpoint's. Any failure to load it is one ConfigError line that names it."""
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
+
     zeros = torch.zeros(3, dtype=torch.float64, device=device)
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    loading = []  # the stage reached: a RuntimeError once the model loads is a model that does not fit
+
+    def load_sharded(shards):
+        loading.append("model")
+        strategy.load_sharded(model, optimizer, shards)
+
     try:
         # A sharded (FSDP) checkpoint loads from its shards, at any world size, into either strategy
-        restored = checkpoint.load(rank, lambda shards: strategy.load_sharded(model, optimizer, shards))
-        if restored is not None and "model" in restored[0]:  # a DDP checkpoint: the whole state, in state.pt
-            strategy.load_full(model, optimizer, restored[0]["model"], restored[0]["optimizer"])
-    except RuntimeError:
-        raise ConfigError(
-            f"the checkpoint of run {cfg.name!r} does not fit --model {cfg.model} "
-            f"--num-classes {cfg.num_classes}; pass --no-resume or a new --name"
-        ) from None
-    if restored is None:
-        return Resume(1, 0, new_schedule(cfg, train_size), [], [], zeros, 0.0, resumed=False)
-    state, own = restored
-    for group, ours in zip(optimizer.param_groups, hyper):  # moments and momentum buffers loaded ...
-        group.update(ours)  # ... under this run's hyperparameters
-    scaler.load_state_dict(state["scaler"])
-    samples = (state["epoch"] - 1) * train_size + state["position"]
-    schedule = stretched(Schedule(**state["schedule"]), cfg.epochs * train_size, samples)
-    if own is not None:  # a rank that did not exist before (the world grew) starts from its fresh seed
-        checkpoint.set_rng_states(own["rng"])
-    resizes = list(state["resizes"])
-    if state["world_size"] != world_size:
-        resizes.append({
-            "epoch": state["epoch"], "position": state["position"], "from": state["world_size"], "to": world_size,
-            "at": time.time(),
-        })
-    sums = state["sums"].to(device) if rank == 0 else zeros  # the world's totals, counted once
-    return Resume(state["epoch"], state["position"], schedule, state["rows"], resizes, sums, state["train_time"], resumed=True)
+        restored = checkpoint.load(rank, load_sharded)
+        if restored is None:
+            return Resume(1, 0, new_schedule(cfg, train_size), [], [], zeros, 0.0, resumed=False)
+        state, own = restored
+        if "model" in state:  # a DDP checkpoint: the whole state, in state.pt
+            loading.append("model")
+            strategy.load_full(model, optimizer, state["model"], state["optimizer"])
+        loading.append("state")
+        for group, ours in zip(optimizer.param_groups, hyper):  # moments and momentum buffers loaded ...
+            group.update(ours)  # ... under this run's hyperparameters
+        scaler.load_state_dict(state["scaler"])
+        samples = (state["epoch"] - 1) * train_size + state["position"]
+        schedule = stretched(Schedule(**state["schedule"]), cfg.epochs * train_size, samples)
+        if own is not None:  # a rank that did not exist before (the world grew) starts from its fresh seed
+            checkpoint.set_rng_states(own["rng"])
+        resizes = list(state["resizes"])
+        if state["world_size"] != world_size:
+            resizes.append({
+                "epoch": state["epoch"], "position": state["position"], "from": state["world_size"], "to": world_size,
+                "at": time.time(),
+            })
+        sums = state["sums"].to(device) if rank == 0 else zeros  # the world's totals, counted once
+        return Resume(state["epoch"], state["position"], schedule, state["rows"], resizes, sums, state["train_time"],
+                      resumed=True)
+    except (Exception, CheckpointException) as err:  # one line on every retry, not a traceback each time
+        saved = ray.train.get_checkpoint()
+        mismatch = isinstance(err, RuntimeError) and loading[-1:] == ["model"]
+        raise ConfigError(restore_failure(cfg, saved.path if saved is not None else None, err, mismatch)) from None
+
+
+def restore_failure(cfg: TrainConfig, path: str | None, err: BaseException, mismatch: bool) -> str:
+    """The one line for a checkpoint that does not load: which one (run and path), why, and the fix."""
+    where = f"the checkpoint of run {cfg.name!r}" + (f" at {path}" if path else "")
+    fix = "pass --no-resume or a new --name"
+    if mismatch:
+        return f"{where} does not fit --model {cfg.model} --num-classes {cfg.num_classes}; {fix}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    why = f"{type(err).__name__}: {lines[0].split('. ')[0][:200]}" if lines else type(err).__name__
+    return f"{where} could not be restored ({why}); {fix}"
 
 
 def epoch_row(

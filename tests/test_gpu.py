@@ -26,6 +26,18 @@ def test_gpu_run_uses_nccl_and_reports_gpu_memory(tmp_path):
     assert float(row["gpu_mem_peak_mib"]) > 0
 
 
+def test_gpu_fsdp_run_resumes_through_its_shards(tmp_path):
+    """FSDP2 on a GPU, then a resume through DCP: fully_shard refuses channels_last conv weights,
+    and each rank restores its own GPU's RNG state."""
+    args = [*TINY, "--gpu", "--workers", "1", "--strategy", "fsdp", "--model", "resnet18", "--image-size", "64",
+            "--storage-path", str(tmp_path), "--name", "fsdp"]
+    first = raytrain("run", *args, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = raytrain("run", *args, "--epochs", "2", timeout=600)  # the last --epochs counts
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from the checkpoint at epoch 2" in again.stdout, again.stdout[-2000:]
+
+
 def test_gpu_overhead_benchmark_prints_gpu_memory():
     proc = raytrain("bench", "overhead", "--gpu", "--workers", "1", "--rounds", "1", "--epochs", "2",
                     "--model", "resnet18", "--image-size", "64", "--train-samples", "1024", "--val-samples", "64",
