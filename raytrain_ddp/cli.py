@@ -262,11 +262,15 @@ def check(
     """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
     from raytrain_ddp.tools.check import check as run_check
 
-    cfg = TrainConfig(
-        workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
-        address=address, verbose=verbose, name="raytrain-check", storage_path=tempfile.gettempdir(),
-    )
-    if not run_check(cfg, iters):
+    # A run directory of its own each time: Ray Train refuses one that another Ray release wrote,
+    # and a fixed one in /tmp would be shared with every user of the machine.
+    with tempfile.TemporaryDirectory(prefix="raytrain-check-") as storage:
+        cfg = TrainConfig(
+            workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
+            address=address, verbose=verbose, name="raytrain-check", storage_path=storage,
+        )
+        passed = run_check(cfg, iters)
+    if not passed:
         raise typer.Exit(1)
 
 

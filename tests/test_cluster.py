@@ -193,10 +193,10 @@ def elastic_run(tmp_path: Path, name: str, epochs: int, *args: str) -> list[str]
             "--data-workers", "0", "--progress", "plain", "--storage-path", str(tmp_path), "--name", name, *args]
 
 
-def read_until(driver: subprocess.Popen, prefix: str, output: list[str]) -> None:
+def read_until(driver: subprocess.Popen, prefix: str, output: list[str], containing: str = "") -> None:
     for line in driver.stdout:
         output.append(line)
-        if line.startswith(prefix):
+        if line.startswith(prefix) and containing in line:
             return
 
 
@@ -221,7 +221,7 @@ def test_an_elastic_run_grows_when_a_node_joins_and_answers_its_drain_with_a_che
             read_until(driver, "epoch 1/5  train loss", output)  # an epoch at 1 worker
             with joined_node(head, num_cpus=1):
                 read_until(driver, "resized: 1 -> 2 workers", output)
-                read_until(driver, "epoch ", output)  # an epoch ended at 2 workers: both ranks train
+                read_until(driver, "epoch ", output, "train loss")  # an epoch ended at 2 workers: both ranks train
                 assert "2 workers, global batch 32 (resized 1x)" in output[-1], "".join(output)[-3000:]
                 others = subprocess.run([sys.executable, "-c", NOT_THE_HEAD], env=head.env, capture_output=True,
                                         text=True, timeout=120, check=True).stdout.split()
