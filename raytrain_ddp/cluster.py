@@ -214,6 +214,15 @@ def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list
         else " + ".join(str(c) for c in per_node) + f" {kind}s on {len(nodes)} nodes"
     )
     if gpu and total == 0:
+        if os.environ.get("SLURM_JOB_ID"):
+            # A Slurm site gives a job GPUs only when it asks for them, and the sbatch's Ray counts
+            # only those: the fix is in the submission, not in dropping --gpu.
+            each = -(-workers // len(nodes))
+            return (
+                f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}): Slurm job "
+                f"{os.environ['SLURM_JOB_ID']} was given no GPUs; submit it with sbatch --gpus-per-node={each} "
+                f"(or --gres=gpu:{each})"
+            )
         return f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}); drop --gpu to train on CPU"
     if gpu and total < workers:
         return f"asked for {workers} GPUs, the cluster has {total}: {layout}; lower --workers or add GPU nodes"

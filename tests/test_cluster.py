@@ -255,3 +255,15 @@ def test_an_elastic_run_grows_when_a_node_joins_and_answers_its_drain_with_a_che
     # The restart at the drain's deadline asked for no worker on the leaving node: such a placement
     # group is never placed, and the restart sits out Ray Train's worker-group start timeout first.
     assert drained["at"] - drain_sent < worker_group_start_timeout_s(), (drained["at"] - drain_sent, log[-3000:])
+
+
+def test_gpu_in_a_slurm_job_without_gpus_names_the_sbatch_flag(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    problem = placement_problem(8, 1, True, [{"CPU": 32}, {"CPU": 32}])
+    assert problem == (
+        "--gpu asks for 8 GPUs, but the cluster has none (2 nodes x 0 GPUs): Slurm job 4242 was given no GPUs; "
+        "submit it with sbatch --gpus-per-node=4 (or --gres=gpu:4)"
+    )
+    assert "--gpus-per-node=2" in placement_problem(3, 1, True, [{"CPU": 8}, {"CPU": 8}])  # 3 ranks on 2 nodes
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert "drop --gpu" in placement_problem(8, 1, True, [{"CPU": 32}, {"CPU": 32}])  # off Slurm, the CPU way out

@@ -235,6 +235,8 @@ wc -c <"$RAY_AUTH_TOKEN_PATH" >"$out/token_len"
 cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' |
     grep -cFf "$RAY_AUTH_TOKEN_PATH" >"$out/token_leaks"
 ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards"
+# --gpu in a job given no GPUs: refused in seconds, before any worker starts, naming the sbatch flag.
+timeout 120 raytrain run --gpu --workers 2 --storage-path "$PWD/runs" --name gpu_hint >"$out/gpu_hint" 2>&1 &
 # No --cpus-per-worker: on CPU the 2 workers share the 4 CPUs evenly, one 2-CPU node each.
 raytrain run --workers 2 --epochs 1 --storage-path "$PWD/runs" --name e2e \\
     --dataset synthetic --model convnet --train-samples 512 --val-samples 128 --batch-size 32
@@ -392,6 +394,10 @@ def test_client_without_token_is_refused(lab: Lab, train_job: Job) -> None:
         # Refused by the GCS for the token (not, say, unreachable), within Ray's ~20 s of retries.
         assert "REFUSED" in text and "CONNECTED" not in text, text
         assert "InvalidAuthToken" in text, text
+
+
+def test_gpu_request_without_gpus_names_the_sbatch_flag(lab: Lab, train_job: Job) -> None:
+    assert "sbatch --gpus-per-node=1 (or --gres=gpu:1)" in (lab.work / "probes" / "gpu_hint").read_text()
 
 
 def test_token_is_fresh_and_private(lab: Lab, train_job: Job) -> None:
