@@ -37,7 +37,6 @@ def test_run_starts_a_local_ray_and_learns(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.smoke
 def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("workers: 2\noptimizer: adamw\nlr: 0.003\nscheduler: step\nname: from-file\n")

@@ -78,7 +78,6 @@ def test_failing_rank_is_named_and_its_exit_status_carried(ray_head, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.smoke
 def test_sigterm_reaches_the_script_which_checkpoints(ray_head, tmp_path):
     out = tmp_path / "out"
     driver = subprocess.Popen(
