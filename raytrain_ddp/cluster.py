@@ -83,8 +83,8 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         # A driver that names an address does not turn token auth on by itself, even with a token.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     with stderr_captured(not cfg.verbose) as log:
-        # Before ray.init: across releases it may not get far enough to say (a 2.52 driver waits 40 s
-        # for a key a 2.60 cluster no longer writes), and a driver must run the cluster's exact Ray.
+        # Before ray.init: across releases it may not get far enough to say (a 2.52 driver retries,
+        # for most of a minute, a key a 2.60 cluster no longer writes); a driver must run the cluster's Ray.
         theirs = None if address.startswith("ray://") else cluster_ray_version(address)
         if theirs and (mismatch := version_mismatch(address, theirs, ray.__version__)):
             raise ConfigError(mismatch)
@@ -310,7 +310,7 @@ def live_nodes() -> list[dict]:
 
 SETTLE_S = 1.0
 """How long preflight reads again a cluster where something is held: resources given back (this
-driver's previous run under `raytrain scale`, a job that just ended) reach Ray's view about 0.1 s later."""
+driver's previous run under `raytrain scale`, a job that just ended) reach Ray's view a moment later."""
 
 
 def node_use(settle_s: float = 0.0) -> list[dict]:

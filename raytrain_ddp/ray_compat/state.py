@@ -104,7 +104,8 @@ def free_resources_per_node() -> dict[str, dict[str, float]]:
 def cluster_ray_version(address: str, timeout_s: float = 10.0) -> str | None:
     """The Ray release the cluster at `address` (host:port of its GCS) runs, as its GCS records it
     for Ray's own version check; read before ray.init, which across releases may not get far enough
-    to say (a 2.52 driver waits 40 s for a key a 2.60 GCS no longer has). None where it cannot be read."""
+    to say (a 2.52 driver retries, for most of a minute, a key a 2.60 GCS no longer has). None where
+    it cannot be read."""
     try:
         from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
         from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
