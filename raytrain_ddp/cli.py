@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import tempfile
 from dataclasses import MISSING, fields
@@ -112,6 +113,13 @@ def run(
         summary = driver.run(cfg, launched=process_started())  # the start-up line counts our imports too
     except KeyboardInterrupt as err:  # typer would make it a silent exit 130; driver.Interrupted says how to resume
         print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
+        if getattr(err, "at_once", False):
+            # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
+            # and the interpreter's teardown after it crashed the process 1 time in 5 (SIGSEGV, not
+            # 130). The run's files are written; Ray ends a dead driver's job, and a local Ray with it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     final = summary["final"]
     print(

@@ -226,6 +226,11 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C: the run checkpointed and stopped (the first), or stopped at once (a second). A
     KeyboardInterrupt, as the Python API's callers expect of Ctrl-C."""
 
+    def __init__(self, message: str, at_once: bool = False) -> None:
+        super().__init__(message)
+        self.at_once = at_once
+        """A second Ctrl-C: the run did not wait for its ranks."""
+
 
 def start_fresh(run_dir: Path) -> None:
     """--no-resume: move an old run aside rather than delete it, so nothing is lost."""
@@ -251,7 +256,8 @@ def stop_on_signals(cfg: TrainConfig, sink: Any, display: Display) -> Iterator[C
             if interrupted.is_set():
                 raise Interrupted(
                     f"stopped at once by a second Ctrl-C, without a new checkpoint; {RESUME_HINT.format(cfg=cfg)} "
-                    "from the last one"
+                    "from the last one",
+                    at_once=True,
                 )
             interrupted.set()
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
