@@ -1,7 +1,6 @@
 """What the installed Ray can carry: the features that need more of Ray than the core, each checked by
 the names it needs (not by the version number), and the lines that refuse one or say it is off."""
 
-
 from __future__ import annotations
 
 import functools
