@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from raytrain_ddp import driver
+from raytrain_ddp.driver import run as driver
 from raytrain_ddp.config import (
     FIELD_TYPES,
     ConfigError,
@@ -34,10 +34,10 @@ from raytrain_ddp.errors import (
     EXIT_STOPPED,
     one_line,
 )
-from raytrain_ddp.launch import LAUNCH_FIELDS
-from raytrain_ddp.startup import process_started
-from raytrain_ddp.tools import submit
-from raytrain_ddp.tools.bench_data import data_command
+from raytrain_ddp.driver.launch import LAUNCH_FIELDS
+from raytrain_ddp.driver.startup import process_started
+from raytrain_ddp.driver import jobs as submit
+from raytrain_ddp.bench.data import data_command
 
 app = typer.Typer(
     help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
@@ -138,8 +138,8 @@ def scale(
     debug: bool = DEBUG,
 ) -> None:
     """Run the same job at each size (and strategy); write the scaling table (CSV, Markdown) and plot (PNG)."""
-    from raytrain_ddp.tools.scale import parse_sizes, parse_strategies
-    from raytrain_ddp.tools.scale import scale as run_scale
+    from raytrain_ddp.driver.scale import parse_sizes, parse_strategies
+    from raytrain_ddp.driver.scale import scale as run_scale
 
     # own flags, not TrainConfig's: a list of strategies, and a sharding for the fsdp runs among them
     run_scale(cfg, parse_sizes(workers), parse_strategies(strategy) if strategy else None, sharding)
@@ -167,8 +167,8 @@ def launch_command(
     every rank restarts at the new size when a node is lost or room appears. Exit status: the first
     failing rank's, 75 when SIGTERM stopped every rank cleanly, 130 after Ctrl-C, else 0.
     """
-    from raytrain_ddp.launch import find_target
-    from raytrain_ddp.launch import launch as run_script
+    from raytrain_ddp.driver.launch import find_target
+    from raytrain_ddp.driver.launch import launch as run_script
 
     target = find_target(script, module, args or [])
     raise typer.Exit(run_script(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started()))
@@ -189,7 +189,7 @@ def bench_overhead(
     debug: bool = DEBUG,
 ) -> None:
     """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS, GPU memory."""
-    from raytrain_ddp.tools.bench_overhead import bench_overhead as run_bench
+    from raytrain_ddp.bench.overhead import bench_overhead as run_bench
 
     if rounds < 1:
         raise ConfigError(f"--rounds must be at least 1 (got {rounds})")
@@ -217,8 +217,8 @@ def bench_startup_scale(
 ) -> None:
     """Start-up stages at each world size on a simulated multi-node Ray, with control arms for Ray's
     share and the imports' share."""
-    from raytrain_ddp.tools.bench_startup_scale import bench_startup_scale as run_bench
-    from raytrain_ddp.tools.scale import parse_sizes
+    from raytrain_ddp.bench.startup_scale import bench_startup_scale as run_bench
+    from raytrain_ddp.driver.scale import parse_sizes
 
     sizes = parse_sizes(workers)
     if rounds < 1 or nodes < 1 or cpus_per_node < 1:
@@ -234,7 +234,7 @@ def verify(
     debug: bool = DEBUG,
 ) -> None:
     """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
-    from raytrain_ddp.tools.verify import verify as verify_run
+    from raytrain_ddp.driver.verify import verify as verify_run
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
@@ -249,7 +249,7 @@ def export(
     debug: bool = DEBUG,
 ) -> None:
     """Write the latest checkpoint's model, DDP's or FSDP's, as one plain state dict for inference."""
-    from raytrain_ddp.tools.export import export as export_run
+    from raytrain_ddp.checkpoint.export import export as export_run
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
@@ -268,7 +268,7 @@ def check(
     debug: bool = DEBUG,
 ) -> None:
     """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
-    from raytrain_ddp.tools.check import check as run_check
+    from raytrain_ddp.driver.cluster_check import check as run_check
 
     # A run directory of its own each time: Ray Train refuses one that another Ray release wrote,
     # and a fixed one in /tmp would be shared with every user of the machine.

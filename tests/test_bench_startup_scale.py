@@ -1,4 +1,4 @@
-from raytrain_ddp.tools.bench_startup_scale import medians, table
+from raytrain_ddp.bench.startup_scale import medians, table
 
 
 def test_medians_and_table():

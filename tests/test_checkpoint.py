@@ -17,7 +17,7 @@ import torch
 from conftest import raytrain, wait_for
 
 from raytrain_ddp.data.torch_ingest import sample_seed
-from raytrain_ddp.metrics import read_csv
+from raytrain_ddp.driver.metrics import read_csv
 
 pytestmark = pytest.mark.e2e
 
@@ -162,7 +162,7 @@ def test_nan_loss_stops_and_names_the_step_and_no_resume_kept_the_old_run(ray_he
 
 def test_worker_killed_for_memory_says_so(tmp_path):
     # A head whose memory monitor thinks any use is too much: Ray's real OOM killer fires.
-    from raytrain_ddp.tools.head import local_head
+    from raytrain_ddp.bench.local_ray import local_head
 
     with local_head(num_cpus=2, extra_env={"RAY_memory_usage_threshold": "0.01",
                                            "RAY_memory_monitor_refresh_ms": "100"}) as head:

@@ -10,8 +10,8 @@ from conftest import HEAD_CPUS, TINY, raytrain
 from test_fast_start import actors_started, log_sizes
 from test_profiling import check_profiled_run
 
-from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
-from raytrain_ddp.startup import RUN_STAGES, stages_line
+from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
+from raytrain_ddp.driver.startup import RUN_STAGES, stages_line
 
 
 @pytest.mark.e2e

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY, raytrain, wait_for
 
-from raytrain_ddp.driver import describe_resize, resize_reason
-from raytrain_ddp.metrics import Sink, read_csv
-from raytrain_ddp.progress import Display
+from raytrain_ddp.driver.run import describe_resize, resize_reason
+from raytrain_ddp.driver.metrics import Sink, read_csv
+from raytrain_ddp.driver.progress import Display
 
 
 def row(epoch: int, loss: float) -> dict:
@@ -127,7 +127,7 @@ from pathlib import Path
 
 from torch import nn
 
-from raytrain_ddp.models import convnet
+from raytrain_ddp.worker.models import convnet
 
 MARKER = Path(__file__).with_name("died-once")
 

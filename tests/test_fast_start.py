@@ -17,7 +17,7 @@ from conftest import REPO
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from raytrain_ddp.process_group import ProcessGroupConfig
+from raytrain_ddp.worker.process_group import ProcessGroupConfig
 from raytrain_ddp.ray_compat import fast
 from raytrain_ddp.ray_compat.controller import TrainController, needed
 

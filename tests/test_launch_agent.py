@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import REPO
 
-from raytrain_ddp.launch import mark
-from raytrain_ddp.launch_agent import (
+from raytrain_ddp.driver.launch import mark
+from raytrain_ddp.worker.launch_agent import (
     Stopper,
     child_env,
     exit_status,
@@ -125,7 +125,7 @@ def test_a_rank_that_already_exited_is_not_signalled():
 
 JOIN_ALL = """
 import sys, time, ray
-from raytrain_ddp.launch_agent import LaunchHub, hub_options
+from raytrain_ddp.worker.launch_agent import LaunchHub, hub_options
 n = int(sys.argv[1])
 ray.init(logging_level="ERROR")
 hub = LaunchHub.options(**hub_options(n)).remote()

@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain_ddp"
 DRIVER_SIDE = (
-    "raytrain_ddp.cli", "raytrain_ddp.driver", "raytrain_ddp.cluster", "raytrain_ddp.shipping", "raytrain_ddp.launch",
+    "raytrain_ddp.cli", "raytrain_ddp.driver.run", "raytrain_ddp.driver.cluster", "raytrain_ddp.driver.shipping", "raytrain_ddp.driver.launch",
     "raytrain_ddp.tools",
 )
 """The CLI, the drivers of `run` and `launch`, the cluster plumbing they share, and the cluster tools."""
@@ -61,7 +61,7 @@ def reachable(name: str) -> set[str]:
 
 
 def test_the_reader_sees_every_module():
-    assert {"raytrain_ddp.loop", "raytrain_ddp.config", "raytrain_ddp.data.registry", "raytrain_ddp.tools.submit"} <= set(MODULES)
+    assert {"raytrain_ddp.worker.loop", "raytrain_ddp.config", "raytrain_ddp.data.registry", "raytrain_ddp.driver.jobs"} <= set(MODULES)
     assert "raytrain_ddp.data.formats" in project_imports("raytrain_ddp.data.registry")  # a from-import of a module
     assert "raytrain_ddp.data.ray_ingest" in project_imports("raytrain_ddp.data.loaders")  # a lazy one
 
@@ -72,7 +72,7 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_the_worker_loop_never_reaches_the_cli_or_the_driver():
-    entries = ("raytrain_ddp.worker", "raytrain_ddp.loop", "raytrain_ddp.launch_agent")
+    entries = ("raytrain_ddp.worker.entry", "raytrain_ddp.worker.loop", "raytrain_ddp.worker.launch_agent")
     worker_side = set(entries).union(*(reachable(e) for e in entries))
     assert sorted(m for m in worker_side if driver_side(m)) == []
 
@@ -81,8 +81,8 @@ def test_what_the_workers_run_lives_outside_the_drivers():
     """TorchTrainer's function for `run` is in worker.py and the launch agent's in launch_agent.py, so
     the driver modules hold only what runs on the driver."""
     defined = {name: {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)} for name, path in MODULES.items()}
-    assert "train_entry" in defined["raytrain_ddp.worker"]
-    assert "run_script" in defined["raytrain_ddp.launch_agent"]
+    assert "train_entry" in defined["raytrain_ddp.worker.entry"]
+    assert "run_script" in defined["raytrain_ddp.worker.launch_agent"]
     assert sorted(n for n in MODULES if driver_side(n) and {"train_entry", "train_loop", "run_script"} & defined[n]) == []
 
 
@@ -161,7 +161,7 @@ def test_config_imports_no_other_project_module():
     assert project_imports("raytrain_ddp.config") == set()
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("raytrain_ddp.data") or n == "raytrain_ddp.models"))
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("raytrain_ddp.data") or n == "raytrain_ddp.worker.models"))
 def test_data_and_models_stay_off_cluster_code(name):
     assert sorted(m for m in reachable(name) if driver_side(m)) == []
     # Ray Data and Ray Train's per-worker API feed the ingest paths; nothing else of Ray.

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.loop import (
+from raytrain_ddp.worker.loop import (
     Schedule,
     apply_gradients,
     forward_backward,
@@ -29,9 +29,9 @@ from raytrain_ddp.loop import (
     set_lr,
     stretched,
 )
-from raytrain_ddp.metrics import read_csv
-from raytrain_ddp.models import MODELS
-from raytrain_ddp.strategy import ddp_options
+from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.worker.models import MODELS
+from raytrain_ddp.worker.parallel import ddp_options
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
 

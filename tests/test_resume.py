@@ -12,10 +12,10 @@ import pytest
 from conftest import TINY, raytrain
 from test_cli import assert_refused
 
-from raytrain_ddp import resume
+from raytrain_ddp.checkpoint import compat as resume
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.metrics import read_csv
-from raytrain_ddp.models import convnet
+from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.worker.models import convnet
 
 CFG = TrainConfig(name="r", epochs=3)
 

@@ -20,10 +20,11 @@ from conftest import TINY, free_port, raytrain
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp import checkpoint, strategy
+from raytrain_ddp.checkpoint import io as checkpoint
+from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.loop import apply_gradients, evaluate, forward_backward, make_optimizer
-from raytrain_ddp.metrics import read_csv
+from raytrain_ddp.worker.loop import apply_gradients, evaluate, forward_backward, make_optimizer
+from raytrain_ddp.driver.metrics import read_csv
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
 CPU = torch.device("cpu")
@@ -196,7 +197,7 @@ def test_the_estimate_of_torchvision_resnet50():
     """25,557,032 parameters (torchvision's count for ImageNet's 1000 classes), 4 bytes each; SGD
     with momentum keeps one buffer, AdamW two; FSDP's 8 shards are an eighth, give or take the
     rows of a chunk rounded up."""
-    from raytrain_ddp.models import MODELS
+    from raytrain_ddp.worker.models import MODELS
 
     with torch.device("meta"):
         model = MODELS["resnet50"](num_classes=1000, in_channels=3)
@@ -221,7 +222,7 @@ T4_NODES = [{"CPU": 16.0, "GPU": 4.0, "accelerator_type:T4": 1.0}] * 2
 
 
 def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
-    from raytrain_ddp.cluster import state_preflight
+    from raytrain_ddp.driver.cluster import state_preflight
     from raytrain_ddp.config import ConfigError
 
     # an address, so a GPU on the machine running the test is not taken for the cluster's
@@ -242,7 +243,7 @@ def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
 
 
 def test_dry_run_prints_the_estimate(capsys, tmp_path):
-    from raytrain_ddp.driver import dry_run
+    from raytrain_ddp.driver.run import dry_run
 
     dry_run(TrainConfig(strategy="fsdp", optimizer="adamw", workers=2, storage_path=str(tmp_path)))
     assert "adamw state about 0.7 MiB per rank under --strategy fsdp --sharding full at 2 ranks (ddp: 1.4 MiB)" \
@@ -252,7 +253,7 @@ def test_dry_run_prints_the_estimate(capsys, tmp_path):
 def test_the_estimate_of_a_ddp_only_run_names_fsdp_without_refusing_it(capsys, tmp_path):
     """--find-unused-parameters is refused under FSDP; the estimate's FSDP figure must not refuse the
     DDP run that asked for it (test_plugins' flat-vector run failed on it, exit 2)."""
-    from raytrain_ddp.driver import dry_run
+    from raytrain_ddp.driver.run import dry_run
 
     dry_run(TrainConfig(find_unused_parameters=True, workers=2, storage_path=str(tmp_path)))
     assert "under --strategy ddp at 2 ranks (fsdp: " in capsys.readouterr().err
@@ -385,7 +386,7 @@ def run_args(tmp_path: Path, name: str, *more: str) -> list[str]:
 
 
 def latest(run_dir: Path) -> Path:
-    from raytrain_ddp.resume import latest_checkpoint
+    from raytrain_ddp.checkpoint.compat import latest_checkpoint
 
     return latest_checkpoint(run_dir)
 
@@ -412,7 +413,7 @@ def test_a_run_crosses_ddp_fsdp_and_world_sizes_resuming_each_time_and_exports_t
     assert "resumed from the checkpoint at epoch 3" in one.stdout
     exported = raytrain("export", str(tmp_path / "crossed"), "--to", str(tmp_path / "model.pt"))
     assert exported.returncode == 0, exported.stderr
-    from raytrain_ddp.models import convnet
+    from raytrain_ddp.worker.models import convnet
 
     convnet(num_classes=10, in_channels=3).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 

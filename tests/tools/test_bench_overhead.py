@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.tools.bench_overhead import VARIANTS, report, stages_table
+from raytrain_ddp.bench.overhead import VARIANTS, report, stages_table
 
 
 def test_report_ratios_against_torchrun():

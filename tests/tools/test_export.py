@@ -10,8 +10,8 @@ import torch
 from conftest import raytrain
 from test_strategy import Net, config, run_ranks, save_sharded
 
-from raytrain_ddp import checkpoint
-from raytrain_ddp.resume import SNAPSHOT
+from raytrain_ddp.checkpoint import io as checkpoint
+from raytrain_ddp.checkpoint.compat import SNAPSHOT
 
 
 def registered(run_dir: Path, name: str) -> Path:
@@ -32,8 +32,8 @@ def test_export_puts_fsdp_shards_together_for_a_plain_module(tmp_path):
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: every key, every shape
     # the weights saved after the first step: the returned ones took a second, so they differ; check
     # against the shards loaded through the training path instead
-    from raytrain_ddp import strategy
-    from raytrain_ddp.loop import make_optimizer
+    from raytrain_ddp.worker import parallel as strategy
+    from raytrain_ddp.worker.loop import make_optimizer
 
     reference = Net()
     strategy.load_sharded(reference, make_optimizer(config(optimizer="adamw"), reference), saved / checkpoint.SHARDS)

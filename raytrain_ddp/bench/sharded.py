@@ -1,6 +1,6 @@
 """The checkpoint stall and the state per rank, DDP against FSDP, on a model of 100M+ parameters:
 
-    python -m raytrain_ddp.tools.bench_sharded --ranks 2 --steps 8 --save-at 3
+    python -m raytrain_ddp.bench.sharded --ranks 2 --steps 8 --save-at 3
 
 2 gloo ranks on CPU (no Ray: the point is what the save costs the training loop), AdamW, a wide
 MLP (--width 4096 --depth 6: 105M parameters). Each variant trains --steps steps and saves once,
@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from raytrain_ddp import checkpoint, strategy
+from raytrain_ddp.checkpoint import io as checkpoint
+from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.config import TrainConfig
 
 VARIANTS = ("ddp", "fsdp-sync", "fsdp-async")
@@ -49,7 +50,7 @@ def wide_mlp(width: int, depth: int, inputs: int = 1024, classes: int = 10) -> n
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, variant: str, out) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ddp.loop import apply_gradients, forward_backward, make_optimizer
+    from raytrain_ddp.worker.loop import apply_gradients, forward_backward, make_optimizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -113,7 +114,7 @@ def main() -> None:
           f"batch {args.batch}/rank, {args.threads} thread(s)/rank, save at step {args.save_at} of {args.steps}")
     print("| variant | step s (median, no save) | save step s | stall s | files complete after s | model_state_mib/rank |")
     print("|---|---|---|---|---|---|")
-    from raytrain_ddp.tools.head import free_port
+    from raytrain_ddp.bench.local_ray import free_port
 
     ctx = mp.get_context("spawn")
     for variant in args.variants.split(","):

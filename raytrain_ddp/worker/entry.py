@@ -18,7 +18,7 @@ def train_entry(loop_config: dict[str, Any]) -> None:
     imports the worker loop (torch and friends take seconds to import on the critical path)."""
     entered = time.time()  # Ray Train's start ends here; the loop's imports start (start-up stages)
     sys.path[:0] = [p for p in loop_config["code_paths"] if p not in sys.path]  # the user's modules
-    from raytrain_ddp.loop import train_loop
+    from raytrain_ddp.worker.loop import train_loop
 
     try:
         train_loop(loop_config, entered)

@@ -35,8 +35,8 @@ from typing import Any
 
 import yaml
 
-from raytrain_ddp.startup import RUN_STAGES
-from raytrain_ddp.tools.head import Head, joined_node, local_head
+from raytrain_ddp.driver.startup import RUN_STAGES
+from raytrain_ddp.bench.local_ray import Head, joined_node, local_head
 
 IMPORTS = "import torch, torch.distributed, torchvision"
 ARMS = ("ray only s", "imports s")

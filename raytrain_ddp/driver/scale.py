@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.metrics import write_atomic
+from raytrain_ddp.driver.metrics import write_atomic
 
 COLUMNS = [
     "strategy",
@@ -138,8 +138,9 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
     """Run each strategy (default cfg's) at each size, then write and print the table; returns the
     study's directory. The strategies take turns at each size, so a machine that slows down over the
     study slows them alike. `sharding` (default cfg's) is the fsdp runs'."""
-    from raytrain_ddp import cluster, driver
-    from raytrain_ddp.metrics import read_csv
+    from raytrain_ddp.driver import cluster
+    from raytrain_ddp.driver import run as driver
+    from raytrain_ddp.driver.metrics import read_csv
 
     strategies = strategies or [cfg.strategy]
     if sharding and "fsdp" not in strategies:

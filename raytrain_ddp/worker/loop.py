@@ -27,13 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytrain_ddp import checkpoint, ray_compat, strategy
+from raytrain_ddp import ray_compat
+from raytrain_ddp.checkpoint import io as checkpoint
+from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.models import model_builder
-from raytrain_ddp.profiling import Profiler
+from raytrain_ddp.worker.models import model_builder
+from raytrain_ddp.worker.profiling import Profiler
 
 PROGRESS_EVERY_S = 1.0
 """How often rank 0 sends a step update to the driver's progress display."""

@@ -34,11 +34,11 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 import raytrain_ddp
-from raytrain_ddp.cluster import PASSED_TO_WORKERS, version_mismatch
+from raytrain_ddp.driver.cluster import PASSED_TO_WORKERS, version_mismatch
 from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
 from raytrain_ddp.errors import EXIT_INTERRUPTED
-from raytrain_ddp.launch import LAUNCH_FIELDS, find_target
-from raytrain_ddp.shipping import SHIP_EXCLUDES
+from raytrain_ddp.driver.launch import LAUNCH_FIELDS, find_target
+from raytrain_ddp.driver.shipping import SHIP_EXCLUDES
 
 STOP_GRACE_S = 60
 """Seconds from `raytrain stop`'s SIGTERM to Ray's SIGKILL. The run checkpoints at its next agreed

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.resume import latest_checkpoint
+from raytrain_ddp.checkpoint.compat import latest_checkpoint
 
 STATE = "state.pt"  # checkpoint.STATE and SHARDS; checkpoint.py imports ray.train, which this needs not
 SHARDS = "shards"

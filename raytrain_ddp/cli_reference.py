@@ -1,6 +1,6 @@
 """docs/cli.md, the command-line reference, generated from the CLI itself (typer's click command tree):
 
-    python -m raytrain_ddp.tools.cli_reference docs/cli.md
+    python -m raytrain_ddp.cli_reference docs/cli.md
 
 Without a path it prints the page. tests/test_docs.py fails when docs/cli.md is not what this writes,
 so a new flag or command is one edit in the code and one run of this.
@@ -79,7 +79,7 @@ Generated from the CLI (`raytrain_ddp/cli.py`; `raytrain run`'s options are the 
 command or option, regenerate it with
 
 ```bash
-python -m raytrain_ddp.tools.cli_reference docs/cli.md
+python -m raytrain_ddp.cli_reference docs/cli.md
 ```
 
 `tests/test_docs.py` fails while this page is stale. Every command also takes `--help`.

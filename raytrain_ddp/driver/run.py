@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from raytrain_ddp.cluster import (
+from raytrain_ddp.driver.cluster import (
     FitThread,
     check_writable,
     choose_layout,
@@ -25,15 +25,15 @@ from raytrain_ddp.cluster import (
     trainer_configs,
 )
 from raytrain_ddp.config import TrainConfig, dumps
-from raytrain_ddp.metrics import (
+from raytrain_ddp.driver.metrics import (
     tensorboard_writer,
     write_csv,
     write_json,
     write_parquet,
 )
-from raytrain_ddp.progress import Display
-from raytrain_ddp.startup import RUN_STAGES, stages, stages_line
-from raytrain_ddp.startup import summary as startup_summary
+from raytrain_ddp.driver.progress import Display
+from raytrain_ddp.driver.startup import RUN_STAGES, stages, stages_line
+from raytrain_ddp.driver.startup import summary as startup_summary
 
 POLL_S = 0.5
 """How often the driver asks rank 0's metrics sink for news."""
@@ -44,9 +44,11 @@ def check_request(cfg: TrainConfig, model: Any = None, dataset: Any = None, dry:
     imports and builds an nn.Module), --dataset and its files, the trackers' packages, and a resume's
     fit with its checkpoint (resume.py). Returns cfg with the Python API's model and dataset, the run
     directory, and the callables to send by value."""
-    from raytrain_ddp import plugins, ray_compat, resume, tracking
+    from raytrain_ddp import plugins, ray_compat
+    from raytrain_ddp.checkpoint import compat as resume
+    from raytrain_ddp.driver import tracking
     from raytrain_ddp.data.registry import validate
-    from raytrain_ddp.models import model_builder
+    from raytrain_ddp.worker.models import model_builder
 
     if cfg.elastic:
         ray_compat.require("elastic")
@@ -85,10 +87,11 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     command began (the CLI's process start), so the start-up stages count its imports; default now.
     Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
     checkpoints, then raises Stopped."""
-    from raytrain_ddp import ray_compat, tracking
+    from raytrain_ddp import ray_compat
+    from raytrain_ddp.driver import tracking
     from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
-    from raytrain_ddp.shipping import ship_code, user_code
-    from raytrain_ddp.worker import train_entry
+    from raytrain_ddp.driver.shipping import ship_code, user_code
+    from raytrain_ddp.worker.entry import train_entry
 
     started = time.time()
     marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
@@ -110,7 +113,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     from ray.train.torch import TorchTrainer
 
     from raytrain_ddp.ray_compat import fast
-    from raytrain_ddp.metrics import MetricsSink
+    from raytrain_ddp.driver.metrics import MetricsSink
 
     scaling, run_config, torch_config = trainer_configs(cfg)
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.cluster import (
+from raytrain_ddp.driver.cluster import (
     ELASTIC_RETRIES,
     FitThread,
     check_writable,
@@ -34,10 +34,10 @@ from raytrain_ddp.cluster import (
 )
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
-from raytrain_ddp.metrics import write_json
-from raytrain_ddp.shipping import ship_code
-from raytrain_ddp.startup import LAUNCH_STAGES, stages, stages_line
-from raytrain_ddp.startup import summary as startup_summary
+from raytrain_ddp.driver.metrics import write_json
+from raytrain_ddp.driver.shipping import ship_code
+from raytrain_ddp.driver.startup import LAUNCH_STAGES, stages, stages_line
+from raytrain_ddp.driver.startup import summary as startup_summary
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
@@ -148,8 +148,8 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         DataParallelTrainer,  # TorchTrainer, minus its process group
     )
 
-    from raytrain_ddp import shipping
-    from raytrain_ddp.launch_agent import LaunchHub, hub_options, resize_notice, run_script
+    from raytrain_ddp.driver import shipping
+    from raytrain_ddp.worker.launch_agent import LaunchHub, hub_options, resize_notice, run_script
 
     placement = shipping.place(target.file, target.root)
     where = Path.cwd() if placement.shared else f"their copy of {target.root}"
@@ -255,7 +255,7 @@ class Signals:
 
 def judge(outcome: dict[str, Any], error: BaseException | None, received: list[str]) -> int:
     """The exit status and the line that explains it: torchrun's, 75 after a stop, 130 after Ctrl-C."""
-    from raytrain_ddp.launch_agent import describe_exit, exit_status
+    from raytrain_ddp.worker.launch_agent import describe_exit, exit_status
 
     exits = outcome["exits"]
     first = outcome["failed_first"]
@@ -301,7 +301,7 @@ def write_summary(
     run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float,
     startup: dict[str, float] | None = None,
 ) -> None:
-    from raytrain_ddp.launch_agent import exit_status
+    from raytrain_ddp.worker.launch_agent import exit_status
 
     peers = [p or {} for p in outcome["peers"]]
     world_size = outcome["world_size"] or cfg.workers
@@ -368,7 +368,7 @@ class Printer:
             return
         failed = attempt["previous"]
         if failed is not None:  # a script failed first: that is the cause, whatever came after
-            from raytrain_ddp.launch_agent import describe_exit
+            from raytrain_ddp.worker.launch_agent import describe_exit
 
             root_cause(failed["rank"], failed)
             say(f"attempt {attempt['number'] - 1}: rank {failed['rank']} on {failed['hostname']} exited with "

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.models import MODELS
+from raytrain_ddp.worker.models import MODELS
 
 # FSDP, DTensor and DCP are imported where they are used: the driver imports this module for the
 # preflight estimate (estimate_state_mib), and torch.distributed.tensor alone costs it about a second.

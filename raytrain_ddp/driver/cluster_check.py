@@ -89,7 +89,7 @@ def check(cfg: Any, iters: int) -> bool:
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_ddp.cluster import connect, preflight, trainer_configs
+    from raytrain_ddp.driver.cluster import connect, preflight, trainer_configs
     from raytrain_ddp.ray_compat.state import token_auth_enabled
     from raytrain_ddp.ray_compat import fast
 

@@ -442,7 +442,8 @@ def state_preflight(cfg: TrainConfig, given_model: Any = None, nodes: list[dict]
     With --gpu, refuse a run whose state alone exceeds the GPU memory, and warn when it takes over
     half of it (activations need the rest), naming --strategy fsdp. `nodes` None: no cluster yet
     (--dry-run); then only a local GPU is looked at."""
-    from raytrain_ddp import resume, strategy
+    from raytrain_ddp.checkpoint import compat as resume
+    from raytrain_ddp.worker import parallel as strategy
 
     model = resume.build_on_meta(cfg, given_model, resume.dataset_channels(cfg) or 3)
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
@@ -497,7 +498,7 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         RunConfig,
         ScalingConfig,
     )
-    from raytrain_ddp.process_group import ProcessGroupConfig
+    from raytrain_ddp.worker.process_group import ProcessGroupConfig
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpu:

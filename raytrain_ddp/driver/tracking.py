@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.metrics import write_json
+from raytrain_ddp.driver.metrics import write_json
 
 ENV_DEFAULTS = {
     # MLflow's own (7 retries, exponential backoff, 120 s timeout) spend 4 minutes on a server that

@@ -4,7 +4,7 @@ Same model, data, sampler, per-worker batch, optimizer and, on GPU, the same spe
 channels_last, cudnn.benchmark) as raytrain's worker loop, in the textbook DDP loop users write by
 hand. With one process there is no DDP wrapper (as Ray Train's prepare_model): a plain loop.
 
-    torchrun --standalone --nproc_per_node=2 -m raytrain_ddp.tools.bench_torchrun '<TrainConfig JSON>'
+    torchrun --standalone --nproc_per_node=2 -m raytrain_ddp.bench.torchrun_baseline '<TrainConfig JSON>'
 
 Rank 0 prints one JSON line: when the first optimizer step finished, its start-up marks (the same
 stages as raytrain's, where they exist: startup.py), samples/s per epoch, peak RSS and peak GPU
@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
-from raytrain_ddp.loop import make_optimizer
-from raytrain_ddp.models import MODELS
+from raytrain_ddp.worker.loop import make_optimizer
+from raytrain_ddp.worker.models import MODELS
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ from typing import Any
 import yaml
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.metrics import read_csv
-from raytrain_ddp.startup import RUN_STAGES, stages, stages_line
-from raytrain_ddp.tools.head import local_head
-from raytrain_ddp.tools.scale import steady
+from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.driver.startup import RUN_STAGES, stages, stages_line
+from raytrain_ddp.bench.local_ray import local_head
+from raytrain_ddp.driver.scale import steady
 
 VARIANTS = ("torchrun", "raytrain fresh Ray", "raytrain running Ray")
 TORCHRUN_STAGES = ("python", "process group", "data", "model", "first step")
@@ -47,7 +47,7 @@ def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
     started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.workers}",
-         "-m", "raytrain_ddp.tools.bench_torchrun", json.dumps(cfg.to_dict())],
+         "-m", "raytrain_ddp.bench.torchrun_baseline", json.dumps(cfg.to_dict())],
         env=plain_env(cfg), capture_output=True, text=True, timeout=1800,
     )
     if proc.returncode != 0:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
-from raytrain_ddp.metrics import CSV_COLUMNS, read_csv
+from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
 
 
 def checks(run_dir: Path) -> list[tuple[str, Callable[[], str | None]]]:

@@ -176,7 +176,7 @@ def build_on_meta(cfg: TrainConfig, given: Callable[..., Any] | None, in_channel
     A builder that cannot run on meta (it loads weights, say) is built on the CPU instead."""
     import torch
 
-    from raytrain_ddp.models import model_builder
+    from raytrain_ddp.worker.models import model_builder
 
     build = model_builder(cfg.model, given)
     try:
