@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from ray.train.backend import Backend, BackendConfig
 
+from raytrain_ddp.net import free_port
 from raytrain_ddp.ray_compat.state import torch_framework
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,7 @@ def rendezvous_address() -> tuple[str, int]:
     """On rank 0: its node's address and a port free there now, for the store the ranks meet at."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port()
 
 
 def join_process_group(backend: str, addr: str, port: int, timeout_s: int) -> None:
