@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.bench.local_ray import Head, free_port, local_head  # noqa: F401 (test modules import them from here)
+from raytrain_ddp.bench.local_ray import Head, local_head  # noqa: F401 (test modules import them from here)
+from raytrain_ddp.net import free_port  # noqa: F401 (test modules import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD_CPUS = 4

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import raytrain, wait_for
 
+from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE
 from raytrain_ddp.data.torch_ingest import sample_seed
 from raytrain_ddp.driver.metrics import read_csv
 
@@ -39,14 +40,14 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The latest checkpoint Ray Train registered (a half-written one never is)."""
     try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        snapshot = json.loads((run_dir / SNAPSHOT).read_text())
     except (FileNotFoundError, json.JSONDecodeError):  # none yet, or caught mid-write
         return None
     return run_dir / snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(latest_checkpoint(run_dir) / "state.pt", weights_only=True)["model"]
+    return torch.load(latest_checkpoint(run_dir) / STATE, weights_only=True)["model"]
 
 
 def exact_run(tmp_path: Path, name: str, workers: int, data_workers: int) -> list[str]:
@@ -70,7 +71,7 @@ def stop_mid_epoch(args: list[str], env: dict, run_dir: Path, sig: int) -> subpr
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no checkpoint registered"
         time.sleep(0.1)
-    where = json.loads((ckpt / "resume.json").read_text())
+    where = json.loads((ckpt / RESUME_INFO).read_text())
     assert (where["epoch"], where["position"] > 0) == (1, True), where  # the cut falls mid-epoch
     proc.send_signal(sig)
     return proc

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain_ddp.checkpoint.io import cuda_state_to_restore, rng_states, set_rng_states
+from raytrain_ddp.checkpoint.checkpointer import restore_failure
+from raytrain_ddp.checkpoint.rng import cuda_state_to_restore, rng_states, set_rng_states
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker.loop import restore_failure
 
 
 def device_states(count: int) -> list[torch.Tensor]:

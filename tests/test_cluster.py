@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver.cluster import busy_problem, choose_layout, cpu_share, placement_problem
+from raytrain_ddp.driver.resources import busy_problem, choose_layout, cpu_share, placement_problem
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s

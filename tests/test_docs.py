@@ -3,7 +3,7 @@ comments of the recipes and the sbatch) names real subcommands and options, ever
 lands, and docs/cli.md is what the CLI generates.
 
 The CLI's commands and options come from the typer app itself (its click command tree), never from a
-list kept here. After a change to a command or option: python -m raytrain_ddp.cli_reference docs/cli.md
+list kept here. After a change to a command or option: python -m raytrain_ddp.cli.reference docs/cli.md
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from raytrain_ddp.cli_reference import is_option, render, the_cli
+from raytrain_ddp.cli.reference import is_option, render, the_cli
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_PAGE = REPO / "docs" / "cli.md"
@@ -267,4 +267,4 @@ def test_the_pages_show_commands_at_all():
 
 def test_the_cli_reference_is_current():
     assert CLI_PAGE.read_text() == render(), (
-        "docs/cli.md is stale; regenerate it: python -m raytrain_ddp.cli_reference docs/cli.md")
+        "docs/cli.md is stale; regenerate it: python -m raytrain_ddp.cli.reference docs/cli.md")

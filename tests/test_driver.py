@@ -15,7 +15,8 @@ import pytest
 from conftest import TINY, raytrain, wait_for
 
 from raytrain_ddp.driver.run import describe_resize, resize_reason
-from raytrain_ddp.driver.metrics import Sink, read_csv
+from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.driver.sink import Sink
 from raytrain_ddp.driver.progress import Display
 
 

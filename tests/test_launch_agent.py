@@ -14,13 +14,9 @@ import pytest
 from conftest import REPO
 
 from raytrain_ddp.driver.launch import mark
-from raytrain_ddp.worker.launch_agent import (
-    Stopper,
-    child_env,
-    exit_status,
-    pump,
-    torchrun_env,
-)
+from raytrain_ddp.launch_records import StopReason, exit_status
+from raytrain_ddp.worker.agent import child_env, torchrun_env
+from raytrain_ddp.worker.supervisor import Stopper, pump
 
 
 def peer(rank: int, node_rank: int, local_rank: int, gpus: list[str], ip: str, port: int | None = None) -> dict:
@@ -98,8 +94,8 @@ def child(code: str) -> subprocess.Popen:
 def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace():
     proc = child(STUBBORN)
     stopper = Stopper(proc, grace_s=1.0)
-    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})
-    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})  # once only
+    stopper.stop(StopReason.signalled("SIGTERM"))
+    stopper.stop(StopReason.signalled("SIGTERM"))  # once only
     started = time.monotonic()
     while proc.poll() is None and time.monotonic() - started < 10:
         stopper.overdue()
@@ -110,8 +106,8 @@ def test_a_rank_that_ignores_the_stop_is_killed_after_the_grace():
 def test_a_kill_does_not_wait_for_the_grace():
     proc = child(STUBBORN)
     stopper = Stopper(proc, grace_s=60.0)
-    stopper.stop({"signal": "SIGINT", "peer": False, "kill": False})
-    stopper.stop({"signal": "SIGINT", "peer": False, "kill": True})  # a second Ctrl-C
+    stopper.stop(StopReason.signalled("SIGINT"))
+    stopper.stop(StopReason.signalled("SIGINT", kill=True))  # a second Ctrl-C
     assert proc.wait(timeout=5) == -signal.SIGKILL
 
 
@@ -119,17 +115,17 @@ def test_a_rank_that_already_exited_is_not_signalled():
     proc = child("print('ready', flush=True)")
     proc.wait()
     stopper = Stopper(proc, grace_s=1.0)
-    stopper.stop({"signal": "SIGTERM", "peer": False, "kill": False})
+    stopper.stop(StopReason.signalled("SIGTERM"))
     assert stopper.reason is None and proc.returncode == 0
 
 
 JOIN_ALL = """
 import sys, time, ray
-from raytrain_ddp.worker.launch_agent import LaunchHub, hub_options
+from raytrain_ddp.driver.hub import LaunchHub, hub_options
 n = int(sys.argv[1])
 ray.init(logging_level="ERROR")
 hub = LaunchHub.options(**hub_options(n)).remote()
-ray.get(hub.take_lines.remote())  # the hub is up: time the rendezvous alone
+ray.get(hub.take_events.remote())  # the hub is up: time the rendezvous alone
 started = time.monotonic()
 joins = [hub.join.remote("attempt", rank, n, {}) for rank in range(n)]
 done, _ = ray.wait(joins, num_returns=n, timeout=30)

@@ -13,11 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain_ddp"
-DRIVER_SIDE = (
-    "raytrain_ddp.cli", "raytrain_ddp.driver.run", "raytrain_ddp.driver.cluster", "raytrain_ddp.driver.shipping", "raytrain_ddp.driver.launch",
-    "raytrain_ddp.tools",
-)
-"""The CLI, the drivers of `run` and `launch`, the cluster plumbing they share, and the cluster tools."""
+DRIVER_SIDE = ("raytrain_ddp.cli", "raytrain_ddp.driver")
+"""The CLI and the driver side: what runs in the process the user started."""
 
 
 def driver_side(name: str) -> bool:
@@ -30,6 +27,38 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def top_level_imports(name: str) -> set[str]:
+    """What `name` imports when it is imported: its module body's imports (under `if` and `try` too),
+    not those inside functions or under `if TYPE_CHECKING:`."""
+    found, todo = set(), list(ast.parse(MODULES[name].read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES}
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue  # for type checkers only: never imported when the module is
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                n for handler in getattr(node, "handlers", []) for n in handler.body]
+    return {m for m in found if m != "raytrain_ddp"}
+
+
+def imported_with(name: str) -> set[str]:
+    """Every module that importing `name` imports: its top-level imports, theirs, and the packages above each."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        parents = {".".join(current.split(".")[:i]) for i in range(2, current.count(".") + 1)}
+        for m in (top_level_imports(current) if current in MODULES else set()) | (parents & set(MODULES)):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
 
 
 def imports(name: str) -> set[str]:
@@ -72,17 +101,17 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_the_worker_loop_never_reaches_the_cli_or_the_driver():
-    entries = ("raytrain_ddp.worker.entry", "raytrain_ddp.worker.loop", "raytrain_ddp.worker.launch_agent")
+    entries = sorted(n for n in MODULES if n.startswith("raytrain_ddp.worker."))
     worker_side = set(entries).union(*(reachable(e) for e in entries))
     assert sorted(m for m in worker_side if driver_side(m)) == []
 
 
 def test_what_the_workers_run_lives_outside_the_drivers():
-    """TorchTrainer's function for `run` is in worker.py and the launch agent's in launch_agent.py, so
-    the driver modules hold only what runs on the driver."""
+    """TorchTrainer's function for `run` is in worker/entry.py and the launch agent's in worker/agent.py,
+    so the driver side holds only what runs on the driver."""
     defined = {name: {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)} for name, path in MODULES.items()}
     assert "train_entry" in defined["raytrain_ddp.worker.entry"]
-    assert "run_script" in defined["raytrain_ddp.worker.launch_agent"]
+    assert "run_script" in defined["raytrain_ddp.worker.agent"]
     assert sorted(n for n in MODULES if driver_side(n) and {"train_entry", "train_loop", "run_script"} & defined[n]) == []
 
 
@@ -174,3 +203,57 @@ def test_shell_scripts_use_only_the_commands(script):
     """They run `raytrain` and `ray` (and Ray's Python API), never the package's insides, which may move."""
     code = [line for line in (REPO / script).read_text().splitlines() if not line.lstrip().startswith("#")]
     assert [line for line in code if re.search(r"raytrain_ddp|python3? -m raytrain", line)] == []
+
+
+HEAVY = ("torch", "torchvision")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if driver_side(n)))
+def test_the_driver_side_imports_no_torch_at_module_level(name):
+    """Importing torch costs seconds on the critical path of every command; the driver side takes it
+    only inside the functions that need it (the model state estimate), so imports stay at the top."""
+    heavy = sorted(m for m in imported_with(name) | {name} if m.split(".")[0] in HEAVY
+                   or (m in MODULES and top_level_imports(m) & set(HEAVY)))
+    assert heavy == []
+
+
+def test_importing_the_cli_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, raytrain_ddp.cli; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_typer_is_the_clis_alone():
+    users = sorted(n for n in MODULES if "typer" in {m.split(".")[0] for m in imports(n)})
+    assert users and all(n == "raytrain_ddp.cli" or n.startswith("raytrain_ddp.cli.") for n in users), users
+
+
+def script_main(path: Path) -> bool:
+    """Whether a file runs as a script of its own: `if __name__ == "__main__":`."""
+    return any(isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+               and node.test.left.id == "__name__" for node in ast.parse(path.read_text()).body)
+
+
+def test_benchmarks_and_tools_have_no_entry_of_their_own():
+    """Every command is reached through `raytrain` (the CLI), so there is one way in and one --help.
+    Two scripts remain, neither a user's: the torchrun baseline, which `raytrain bench overhead` hands
+    to torchrun, and the generator of docs/cli.md, which a developer runs after changing a flag."""
+    entries = sorted(name for name, path in MODULES.items() if script_main(path) or "argparse" in imports(name))
+    assert entries == ["raytrain_ddp.bench.torchrun_baseline", "raytrain_ddp.cli.reference"]
+
+
+def test_checkpoint_file_names_are_light():
+    """The file names are declared once, where the driver can read them without torch or Ray."""
+    assert {m.split(".")[0] for m in imported_with("raytrain_ddp.checkpoint.files")} & {"torch", "ray"} == set()
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []

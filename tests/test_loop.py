@@ -19,19 +19,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker.loop import (
-    Schedule,
-    apply_gradients,
-    forward_backward,
-    lr_factor,
-    make_optimizer,
-    new_schedule,
-    set_lr,
-    stretched,
-)
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.worker.models import MODELS
 from raytrain_ddp.worker.parallel import ddp_options
+from raytrain_ddp.worker.schedule import Schedule, lr_factor, new_schedule, set_lr, stretched
+from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
 

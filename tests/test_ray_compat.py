@@ -14,7 +14,7 @@ from conftest import REPO, TINY, local_head, raytrain
 from ray.train import ScalingConfig
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.driver.cluster import ray_mismatch, version_mismatch
+from raytrain_ddp.driver.session import ray_mismatch, version_mismatch
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.ray_compat.features import FEATURES, has, refusal
 

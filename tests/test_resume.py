@@ -13,6 +13,7 @@ from conftest import TINY, raytrain
 from test_cli import assert_refused
 
 from raytrain_ddp.checkpoint import compat as resume
+from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, latest_checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.worker.models import convnet
@@ -21,7 +22,7 @@ CFG = TrainConfig(name="r", epochs=3)
 
 
 def saved(cfg: TrainConfig = CFG, epoch: int = 2, position: int = 128, in_channels: int = 3) -> dict:
-    """A checkpoint's resume.json as rank 0 writes it (checkpoint.RESUME_INFO)."""
+    """A checkpoint's resume.json as rank 0 writes it (files.RESUME_INFO)."""
     model = convnet(cfg.num_classes, in_channels)
     return {
         "config": cfg.to_dict(), "epoch": epoch, "position": position, "train_size": 4096, "world_size": 2,
@@ -35,10 +36,10 @@ def write_run(run_dir: Path, registered: str | None, info: dict | None, unregist
     for name in filter(None, (registered, unregistered)):
         (run_dir / name).mkdir(parents=True)
         if info is not None:
-            (run_dir / name / resume.RESUME_INFO).write_text(json.dumps(info))
+            (run_dir / name / RESUME_INFO).write_text(json.dumps(info))
     latest = {"checkpoint_dir_name": registered, "metrics": {}, "version": 0} if registered else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / resume.SNAPSHOT).write_text(json.dumps({"checkpoint_results": [], "latest_checkpoint_result": latest}))
+    (run_dir / SNAPSHOT).write_text(json.dumps({"checkpoint_results": [], "latest_checkpoint_result": latest}))
 
 
 def test_every_config_key_is_classified():
@@ -46,12 +47,12 @@ def test_every_config_key_is_classified():
 
 
 def test_only_a_registered_checkpoint_counts(tmp_path):
-    assert resume.latest_checkpoint(tmp_path) is None  # no snapshot: a fresh run
+    assert latest_checkpoint(tmp_path) is None  # no snapshot: a fresh run
     # A newer directory that Ray never registered (written when the run died) is not resumed from.
     write_run(tmp_path, "checkpoint_2026-01-01_00-00-01.0", saved(), unregistered="checkpoint_2026-01-01_00-00-02.0")
-    assert resume.latest_checkpoint(tmp_path) == tmp_path / "checkpoint_2026-01-01_00-00-01.0"
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint_2026-01-01_00-00-01.0"
     write_run(tmp_path / "none", None, None)
-    assert resume.latest_checkpoint(tmp_path / "none") is None
+    assert latest_checkpoint(tmp_path / "none") is None
 
 
 @pytest.mark.parametrize(
@@ -99,25 +100,25 @@ def test_the_batch_may_change_under_an_unchanged_global_batch():
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
     write_run(tmp_path, "checkpoint_a", saved(in_channels=1))  # saved from a 1-channel model (MNIST)
-    assert resume.check(CFG, tmp_path) == []  # the model is built with the checkpoint's in_channels: it fits
+    assert resume.check_resume(CFG, tmp_path) == []  # the model is built with the checkpoint's in_channels: it fits
     info = saved()
     info["model_shapes"]["5.weight"] = [10, 64]
-    (tmp_path / "checkpoint_a" / resume.RESUME_INFO).write_text(json.dumps(info))
+    (tmp_path / "checkpoint_a" / RESUME_INFO).write_text(json.dumps(info))
     with pytest.raises(ConfigError, match=r"does not fit --model convnet .*5\.weight is \[10, 64\] there, "
                                           r"\[10, 128\] here; pass --no-resume"):
-        resume.check(CFG, tmp_path)
-    assert resume.check(dataclasses.replace(CFG, resume=False), tmp_path) == []  # --no-resume checks nothing
+        resume.check_resume(CFG, tmp_path)
+    assert resume.check_resume(dataclasses.replace(CFG, resume=False), tmp_path) == []  # --no-resume checks nothing
 
 
 def test_a_checkpoint_without_resume_info_resumes_unchecked(tmp_path):
     write_run(tmp_path, "checkpoint_old", None)
-    [line] = resume.check(dataclasses.replace(CFG, seed=7), tmp_path)
+    [line] = resume.check_resume(dataclasses.replace(CFG, seed=7), tmp_path)
     assert "checkpoint_old predates resume.json" in line and "without compatibility checks" in line
 
 
 def test_a_model_that_is_no_module_is_refused_on_a_fresh_run(tmp_path):
     with pytest.raises(ConfigError, match="--model __main__:<lambda> returned a dict, not a torch.nn.Module"):
-        resume.check(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, lambda **_: {})
+        resume.check_resume(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, lambda **_: {})
 
 
 # --- end to end: one real run, then two reruns of its --name ---

@@ -20,11 +20,12 @@ from conftest import TINY, free_port, raytrain
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp.checkpoint import io as checkpoint
-from raytrain_ddp.worker import parallel as strategy
+from raytrain_ddp.checkpoint import files, state_dicts
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker.loop import apply_gradients, evaluate, forward_backward, make_optimizer
 from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.worker import parallel as strategy
+from raytrain_ddp.worker.epoch_metrics import evaluate
+from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
 
 NO_SCALER = torch.amp.GradScaler("cuda", enabled=False)  # CPU: the scaler passes everything through
 CPU = torch.device("cpu")
@@ -138,7 +139,7 @@ def train_each_way(rank: int, configs: dict[str, TrainConfig]) -> dict[str, tupl
         dist.all_reduce(total)
         mib = torch.tensor(strategy.state_mib(model, optimizer))
         dist.all_reduce(mib, op=dist.ReduceOp.MAX)
-        results[name] = (total / 2).tolist(), numpy_state(strategy.whole_state(model)), mib.item()
+        results[name] = (total / 2).tolist(), numpy_state(state_dicts.whole_state(model)), mib.item()
     return results
 
 
@@ -222,7 +223,7 @@ T4_NODES = [{"CPU": 16.0, "GPU": 4.0, "accelerator_type:T4": 1.0}] * 2
 
 
 def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
-    from raytrain_ddp.driver.cluster import state_preflight
+    from raytrain_ddp.driver.preflight import model_state as state_preflight
     from raytrain_ddp.config import ConfigError
 
     # an address, so a GPU on the machine running the test is not taken for the cluster's
@@ -264,7 +265,7 @@ def accumulate_and_clip(rank: int, cfg: TrainConfig) -> dict:
     optimizer = make_optimizer(cfg, model)
     shard = [(x.chunk(2)[rank] * 30, y.chunk(2)[rank]) for x, y in batches(3, 64)]  # large gradients, so clipping acts
     train(model, optimizer, cfg, shard, micro=4)
-    return numpy_state(strategy.whole_state(model))
+    return numpy_state(state_dicts.whole_state(model))
 
 
 def test_accumulation_with_clipping_under_fsdp_matches_one_big_clipped_batch():
@@ -330,10 +331,10 @@ def save_sharded(rank: int, cfg: TrainConfig, directory: str) -> dict:
     model = wrapped(cfg)
     optimizer = make_optimizer(cfg, model)
     train(model, optimizer, cfg, [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(1, 32)], micro=1)
-    dcp.save(strategy.sharded_state(model, optimizer), checkpoint_id=directory)
+    dcp.save(state_dicts.sharded_state(model, optimizer), checkpoint_id=directory)
     # the next step, as the run would have taken it: the resumed one must match
     train(model, optimizer, cfg, [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(2, 32)[1:]], micro=1)
-    return numpy_state(strategy.whole_state(model))
+    return numpy_state(state_dicts.whole_state(model))
 
 
 def test_a_sharded_checkpoint_resumes_on_one_rank_without_fsdp(tmp_path):
@@ -343,7 +344,7 @@ def test_a_sharded_checkpoint_resumes_on_one_rank_without_fsdp(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     model = Net()
     optimizer = make_optimizer(cfg, model)
-    strategy.load_sharded(model, optimizer, tmp_path)
+    state_dicts.load_sharded(model, optimizer, tmp_path)
     train(model, optimizer, cfg, batches(2, 32)[1:], micro=1)  # the whole batch on the one rank
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, torch.from_numpy(expected[key]), rtol=1e-5, atol=1e-6)
@@ -356,14 +357,14 @@ def ddp_then_fsdp(rank: int) -> tuple[dict, dict]:
     ddp_optimizer = make_optimizer(ddp_cfg, ddp)
     data = [(x.chunk(2)[rank], y.chunk(2)[rank]) for x, y in batches(2, 32)]
     train(ddp, ddp_optimizer, ddp_cfg, data[:1], micro=1)
-    model_state, optimizer_state = copy.deepcopy(strategy.full_state(ddp, ddp_optimizer))
+    model_state, optimizer_state = copy.deepcopy(state_dicts.full_state(ddp, ddp_optimizer))
     fsdp_cfg = config(optimizer="adamw", lr=0.01, strategy="fsdp")
     fsdp = wrapped(fsdp_cfg)
     fsdp_optimizer = make_optimizer(fsdp_cfg, fsdp)
-    strategy.load_full(fsdp, fsdp_optimizer, model_state, optimizer_state)
+    state_dicts.load_full(fsdp, fsdp_optimizer, model_state, optimizer_state)
     train(ddp, ddp_optimizer, ddp_cfg, data[1:], micro=1)
     train(fsdp, fsdp_optimizer, fsdp_cfg, data[1:], micro=1)
-    return numpy_state(strategy.whole_state(ddp)), numpy_state(strategy.whole_state(fsdp))
+    return numpy_state(state_dicts.whole_state(ddp)), numpy_state(state_dicts.whole_state(fsdp))
 
 
 def test_a_ddp_state_loads_into_fsdp_with_its_optimizer_moments():
@@ -386,7 +387,7 @@ def run_args(tmp_path: Path, name: str, *more: str) -> list[str]:
 
 
 def latest(run_dir: Path) -> Path:
-    from raytrain_ddp.checkpoint.compat import latest_checkpoint
+    from raytrain_ddp.checkpoint.files import latest_checkpoint
 
     return latest_checkpoint(run_dir)
 
@@ -405,9 +406,9 @@ def test_a_run_crosses_ddp_fsdp_and_world_sizes_resuming_each_time_and_exports_t
     fsdp = leg(2, "--strategy", "fsdp", "--workers", "2")
     assert "resume: --strategy ddp -> fsdp applied" in fsdp.stdout + fsdp.stderr
     saved = latest(tmp_path / "crossed")
-    assert sorted(f.name for f in (saved / checkpoint.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    assert "model" not in torch.load(saved / checkpoint.STATE, weights_only=True)  # no rank held it whole
-    assert '"strategy": "fsdp"' in (saved / checkpoint.RESUME_INFO).read_text()
+    assert sorted(f.name for f in (saved / files.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "model" not in torch.load(saved / files.STATE, weights_only=True)  # no rank held it whole
+    assert '"strategy": "fsdp"' in (saved / files.RESUME_INFO).read_text()
 
     one = leg(3, "--strategy", "fsdp", "--workers", "1")
     assert "resumed from the checkpoint at epoch 3" in one.stdout

@@ -17,23 +17,20 @@ prints images/s, images/s per core, and each path's ratio to the baseline.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import numpy as np
-import typer
-
-from raytrain_ddp.config import ConfigError
 
 SIZE = 64
 CLASSES = 10
 TINY_IMAGES = 320
+"""Images of `raytrain bench data --tiny`, a smoke test for CI."""
 
 
 def make_jpegs(root: Path, images: int, seed: int = 0) -> Path:
@@ -237,27 +234,3 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"{r['path']:<15}{r['images_per_s']:>10.0f}{cpu:>8}{r['per_core']:>10.0f}{ratio:>13}")
     return "\n".join(lines)
 
-
-def data_command(
-    images: int = typer.Option(10_000, help="How many 64x64 JPEGs to generate."),
-    tiny: bool = typer.Option(False, "--tiny", help=f"{TINY_IMAGES} images, batch 32: a smoke test for CI."),
-    cpus: int = typer.Option(0, help="Loader CPUs: DataLoader workers, and the private Ray's CPUs (0 = all)."),
-    batch_size: int = typer.Option(256, help="Images per batch."),
-    passes: int = typer.Option(2, help="Passes per path; the last (warm) one is timed."),
-    address: Optional[str] = typer.Option(None, help="Use this Ray cluster for the ray path (default: a private one)."),
-    workdir: Optional[Path] = typer.Option(None, help="Keep the generated images here (and reuse them next time)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
-) -> None:
-    """Images/s per CPU core of each ingest path against torchvision ImageFolder + DataLoader."""
-    if tiny:
-        images, batch_size = TINY_IMAGES, 32
-    if images < 2 * CLASSES or batch_size < 1 or passes < 1 or cpus < 0:
-        raise ConfigError(f"need --images >= {2 * CLASSES}, --batch-size >= 1, --passes >= 1 and --cpus >= 0")
-    report = bench_data(images=images, cpus=cpus or None, batch_size=batch_size, passes=passes, address=address,
-                        workdir=workdir)
-    if json_path:
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    typer.run(data_command)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from raytrain_ddp.net import free_port
+
 
 @dataclass
 class Head:
@@ -33,12 +35,6 @@ class Head:
     """http://127.0.0.1:PORT of the dashboard and Jobs API, where asked for."""
     session_dir: Path | None = None
     """Ray's session directory (its `logs/` has every worker process's log)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -54,11 +50,11 @@ def local_head(
     token = tmp / "token"
     token.write_text(secrets.token_hex(32))
     os.chmod(token, 0o600)
-    port = free_port()
+    port = free_port("127.0.0.1")
     # Every port explicit: Ray's servers share a taken port silently, and a second head on the
     # default Ray Client port (10001) would answer for the first one at random.
     ports = [
-        f"--{flag}={free_port()}"
+        f"--{flag}={free_port('127.0.0.1')}"
         for flag in (
             "node-manager-port", "object-manager-port", "ray-client-server-port", "metrics-export-port",
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
@@ -77,10 +73,11 @@ def local_head(
         env.pop(key, None)
     url, web = None, ["--include-dashboard=false"]
     if dashboard:
-        url_port = free_port()
+        url_port = free_port("127.0.0.1")
         url = f"http://127.0.0.1:{url_port}"
         web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={url_port}"]
-        env["AUTOSCALER_METRIC_PORT"], env["DASHBOARD_METRIC_PORT"] = str(free_port()), str(free_port())
+        for metrics in ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT"):
+            env[metrics] = str(free_port("127.0.0.1"))
         # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     proc = subprocess.Popen(
@@ -116,7 +113,7 @@ def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[N
     one's plasma socket clashes with the first's."""
     tmp = Path(tempfile.mkdtemp(prefix="rtn-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
     ports = [
-        f"--{flag}={free_port()}"
+        f"--{flag}={free_port('127.0.0.1')}"
         for flag in ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
                      "dashboard-agent-grpc-port", "runtime-env-agent-port")
     ]

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
-from raytrain_ddp.worker.loop import make_optimizer
+from raytrain_ddp.worker.step import make_optimizer
 from raytrain_ddp.worker.models import MODELS
 
 

@@ -1,30 +1,23 @@
 """Does the latest checkpoint of <storage-path>/<name> fit this request? Asked on the driver, in
 seconds, before any worker starts; and whether --model builds an nn.Module at all.
 
-Rank 0 writes RESUME_INFO into every checkpoint (checkpoint.py): the resolved config that saved it,
-where it stands, and the model's state-dict shapes. A change that alters what the saved position
+Rank 0 writes RESUME_INFO into every checkpoint (checkpointer.py): the resolved config that saved
+it, where it stands, and the model's state-dict shapes. A change that alters what the saved position
 means is refused in one line; a safe one is applied, one line per key; the rest (how the run runs,
-not what it trains) goes through silently. No Ray here; torch only to build the model on the meta
-device, which allocates nothing.
+not what it trains) goes through silently. No Ray here, and torch only inside check_resume, to build
+the model on the meta device, which allocates nothing.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import plugins
+from raytrain_ddp.checkpoint.files import FRESH, RESUME_INFO, latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig
-
-SNAPSHOT = "checkpoint_manager_snapshot.json"
-"""Ray Train V2's record, in the run directory, of the checkpoints it registered (fully written)."""
-RESUME_INFO = "resume.json"
-"""checkpoint.RESUME_INFO, named again here so the driver need not import checkpoint.py (ray.train, seconds)."""
-
-FRESH = "--no-resume to start fresh (the old run is moved aside) or a new --name"
 
 # Why refused: each decides which samples the saved position counts (dataset, its files, caps and
 # split, the seed of its order, the image size), or what the saved state is the state of (model,
@@ -52,10 +45,6 @@ SILENT = (
     "mlflow_experiment", "wandb", "profile",
 )
 
-BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
-"""in_channels of the built-in datasets, as their readers (data.formats) decode them; parquet's is in
-its manifest."""
-
 
 def flag(key: str) -> str:
     return "--" + key.replace("_", "-")
@@ -69,29 +58,6 @@ def workers(config: dict[str, Any]) -> str:
     """--workers as typed: N, or MIN:MAX for an elastic run."""
     low, high = config.get("workers"), config.get("max_workers")
     return str(low) if high is None else f"{low}:{high}"
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The directory of the latest checkpoint Ray registered, or None. Only a registered checkpoint
-    counts: a directory of one still being written when the run died is not resumed from."""
-    try:
-        snapshot = json.loads((run_dir / SNAPSHOT).read_text())
-    except (FileNotFoundError, NotADirectoryError):  # no run yet; a bad --storage-path is check_writable's to name
-        return None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read {run_dir / SNAPSHOT} ({err}); pass {FRESH}") from None
-    latest = snapshot.get("latest_checkpoint_result") or {}
-    return run_dir / latest["checkpoint_dir_name"] if latest.get("checkpoint_dir_name") else None
-
-
-def read_info(checkpoint_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's RESUME_INFO, or None for one saved before checkpoints carried it."""
-    try:
-        return json.loads((checkpoint_dir / RESUME_INFO).read_text()) or None
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read {checkpoint_dir / RESUME_INFO} ({err}); pass {FRESH}") from None
 
 
 def same(key: str, old: Any, new: Any) -> bool:
@@ -171,49 +137,16 @@ def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run
         )
 
 
-def build_on_meta(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels: int) -> Any:
-    """The model as the workers will build it, on the meta device: shapes, no memory, no init cost.
-    A builder that cannot run on meta (it loads weights, say) is built on the CPU instead."""
-    import torch
-
-    from raytrain_ddp.worker.models import model_builder
-
-    build = model_builder(cfg.model, given)
-    try:
-        with torch.device("meta"):
-            return build(num_classes=cfg.num_classes, in_channels=in_channels)
-    except ConfigError:
-        raise  # not an nn.Module: models.model_builder's own line
-    except Exception:
-        pass
-    try:
-        return build(num_classes=cfg.num_classes, in_channels=in_channels)
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise ConfigError(
-            f"--model {cfg.model} failed to build with num_classes={cfg.num_classes}, in_channels={in_channels}: "
-            f"{type(err).__name__}: {err}"
-        ) from None
-
-
-def dataset_channels(cfg: TrainConfig) -> int | None:
-    """in_channels for a fresh run, where it costs nothing to know; None for the user's own dataset."""
-    if cfg.dataset in BUILT_IN_CHANNELS:
-        return BUILT_IN_CHANNELS[cfg.dataset]
-    if cfg.dataset == "parquet" and cfg.data_dir:
-        from raytrain_ddp.data.formats import read_manifest
-
-        return int(read_manifest(Path(cfg.data_dir).expanduser())["channels"])
-    return None
-
-
-def check(cfg: TrainConfig, run_dir: Path, given_model: Callable[..., Any] | None = None) -> list[str]:
+def check_resume(cfg: TrainConfig, run_dir: Path, given_model: Callable[..., Any] | None = None) -> list[str]:
     """Every driver-side check of a (re)start: the lines to print, or ConfigError.
 
     With cfg.resume and a registered checkpoint in run_dir: the config compared, and the model
     checked against the checkpoint's shapes. A model of the user's is built (on meta) on every run,
     fresh too, so one that returns no nn.Module is refused here and not by rank 0 after a start."""
+    # torch (the model on meta, and the datasets' registry) only here: the driver imports this module
+    from raytrain_ddp.data.registry import dataset_channels
+    from raytrain_ddp.worker.models import build_on_meta
+
     run = cfg.name or run_dir.name
     checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
     saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None

@@ -1,7 +1,7 @@
 """`raytrain export RUN_DIR --to model.pt`: the latest registered checkpoint's model as one plain
 state dict, for inference: `model.load_state_dict(torch.load("model.pt", weights_only=True))`.
 
-A DDP checkpoint has it whole in state.pt; an FSDP one in shards, which are read here, in one
+A DDP checkpoint has it whole in STATE; an FSDP one in SHARDS, which are read here, in one
 process without a process group, and put together (the optimizer's shards are left unread).
 """
 
@@ -12,12 +12,10 @@ from pathlib import Path
 
 import torch
 
+from raytrain_ddp.checkpoint.files import SHARDS, STATE, latest_checkpoint
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.checkpoint.compat import latest_checkpoint
 
-STATE = "state.pt"  # checkpoint.STATE and SHARDS; checkpoint.py imports ray.train, which this needs not
-SHARDS = "shards"
-MODEL = "model."  # the model's keys in the shards, under "model" as strategy.sharded_state nests them
+MODEL = "model."  # the model's keys in the shards, under "model" as state_dicts.sharded_state nests them
 
 
 def model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

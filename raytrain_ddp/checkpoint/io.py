@@ -1,18 +1,20 @@
-"""Checkpoints through Ray Train: save the whole training state, and restore it on every rank.
+"""A checkpoint's directory through Ray Train: written and reported by every rank, and read back on
+every rank. What goes into it, and when, is checkpointer.py's.
 
 Every rank reports a directory and Ray merges them into one checkpoint: rank 0 writes the shared
 state (model, optimizer, schedule, scaler, the global position in the epoch, the world's running
 totals, metrics and resizes so far), which any world size can resume; each rank writes its RNG
 states. Under FSDP no rank holds the whole model: every rank writes its shards of the model and
-optimizer with torch.distributed.checkpoint (DCP) into SHARDS, and rank 0's state.pt has the rest;
+optimizer with torch.distributed.checkpoint (DCP) into SHARDS, and rank 0's STATE has the rest;
 DCP reshards on load, for any world size and either strategy.
 
 The shards are saved asynchronously: dcp.async_save copies this rank's shards to CPU memory and a
 thread writes them while training goes on. The report is made at once (every rank reports at the
 same step, as Ray needs), in Ray's ASYNC upload mode with an upload function that first waits for
 the shards' files: Ray copies the directory to storage, and registers the checkpoint, only once
-every file is complete, so a checkpoint that is still being written can never be resumed from. Ray registers a checkpoint only after it is fully persisted, so a half-written one is never
-taken as the latest; a rerun with the same --storage-path/--name resumes from it.
+every file is complete, so a checkpoint that is still being written can never be resumed from. Ray
+registers a checkpoint only after it is fully persisted, so a half-written one is never taken as the
+latest; a rerun with the same --storage-path/--name resumes from it.
 
 Rank 0 also writes RESUME_INFO, a small JSON file the driver reads in milliseconds, without torch:
 the resolved config that saved the checkpoint, where it stands, and the model's state-dict shapes,
@@ -24,68 +26,17 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 import shutil
 import tempfile
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import ray.train
 import torch
 
-STATE = "state.pt"
-RESUME_INFO = "resume.json"
-SHARDS = "shards"
-"""The DCP directory: .metadata from rank 0, __<rank>_0.distcp from each rank (distinct names, so
-Ray's merge of the ranks' directories gives one complete DCP checkpoint)."""
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank}.pt"
-
-
-def rng_states() -> dict[str, Any]:
-    """This process's random streams (dropout and anything else a model or user code draws). Data
-    augmentation does not draw from them: each sample seeds its own (data.torch_ingest)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    states = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        # as plain values, which weights_only loading accepts (an ndarray it would refuse)
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-    }
-    if torch.cuda.is_available():
-        # This rank's own GPU only (the current device, which the trainer sets per rank): every GPU
-        # the node shows would not fit a rerun that shows fewer (fewer workers, an elastic shrink).
-        states["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
-    return states
-
-
-def cuda_state_to_restore(saved: Any, device_count: int, current: int) -> torch.Tensor | None:
-    """The saved CUDA RNG state to put into this rank's current device `current`, of `device_count`
-    visible, or None to leave the device's fresh seed. `saved` is the saving rank's own device's
-    state, or (checkpoints before it) a list of every device's the node showed the rank, of which
-    this rank's is the current device's entry, if there is one."""
-    if saved is None or device_count == 0 or not 0 <= current < device_count:
-        return None
-    if isinstance(saved, (list, tuple)):
-        return saved[current] if current < len(saved) else None
-    return saved
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if "numpy" in states:
-        kind, keys, pos, has_gauss, gauss = states["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if torch.cuda.is_available():
-        current = torch.cuda.current_device()
-        cuda = cuda_state_to_restore(states.get("cuda"), torch.cuda.device_count(), current)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, current)
+from raytrain_ddp.checkpoint.files import RESUME_INFO, SHARDS, STATE, rank_file
+from raytrain_ddp.checkpoint.rng import rng_states
 
 
 def save(
@@ -145,11 +96,6 @@ def upload_when_written(written: Future, checkpoint: ray.train.Checkpoint, name:
     """Ray's upload, in Ray's upload thread, after the shards' files are complete."""
     written.result()  # raises if the write failed: Ray then fails the run rather than register it
     return ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, name)
-
-
-def shapes(state: dict[str, Any]) -> dict[str, list[int]]:
-    """A state dict's tensor shapes, for RESUME_INFO: the driver checks a rerun's model against them."""
-    return {key: list(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def load(rank: int, load_shards: Callable[[Path], None]) -> tuple[dict[str, Any], dict[str, Any] | None] | None:

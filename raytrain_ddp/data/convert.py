@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import typer
 
 from raytrain_ddp.config import ConfigError
 
@@ -180,39 +179,3 @@ def write_split(
         raise ConfigError(f"no readable {name} images in the source; nothing to write")
     return {"rows": int(counts.sum()), "files": files, "class_counts": counts.tolist(), "skipped": skipped}
 
-
-# --- the command ---
-
-data_app = typer.Typer(help="Prepare datasets for training.", no_args_is_help=True, add_completion=False)
-
-
-@data_app.callback()
-def _group() -> None:
-    """Prepare datasets for training."""
-
-
-@data_app.command("convert")
-def convert_command(
-    src: Path = typer.Argument(..., help="The dataset's directory, as --data-dir names it for `raytrain run`."),
-    dst: Path = typer.Argument(..., help="Where the Parquet shards and manifest.json go."),
-    fmt: str = typer.Option(..., "--format", help=f"Source format: {', '.join(FORMATS)}."),
-    val_fraction: float = typer.Option(0.1, help="Share held out for val when the source has no val split."),
-    shard_mib: float = typer.Option(64.0, help="Target size of one Parquet file, MiB."),
-    group_mib: float = typer.Option(4.0, help="Target size of one row group (the unit a reader holds), MiB."),
-    seed: int = typer.Option(0, help="Seed of the one-off row shuffle."),
-    skip_bad: bool = typer.Option(False, "--skip-bad", help="Leave out unreadable images (and count them)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace shards already in DST."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
-) -> None:
-    """Write a dataset as Parquet shards + manifest.json, for --dataset parquet (and --loader ray)."""
-    manifest = convert(
-        src, dst, fmt, val_fraction=val_fraction, shard_mib=shard_mib, group_mib=group_mib, seed=seed,
-        skip_bad=skip_bad, overwrite=overwrite, progress=progress,
-    )
-    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    skipped = train["skipped"] + val["skipped"]
-    print(
-        f"wrote {train['rows']} train + {val['rows']} val images in {len(train['files']) + len(val['files'])} "
-        f"shards to {dst}" + (f", skipped {skipped} unreadable" if skipped else "")
-    )
-    print(f"train with: raytrain run --dataset parquet --data-dir {dst} --num-classes {len(manifest['classes'])}")

@@ -28,6 +28,9 @@ SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are not given."""
 SPLIT_SEED = 0
 """Seeds the held-out val split and the sample caps. Fixed, not --seed: runs compare on one val set."""
+BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
+"""in_channels of the built-in datasets, as their readers (data.formats) decode them; parquet's is in
+its manifest."""
 
 
 class Data(NamedTuple):
@@ -133,6 +136,15 @@ def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data
             f"got {type(first).__name__}"
         )
     return Data(splits[0], splits[1], in_channels=int(first[0].shape[0]))
+
+
+def dataset_channels(cfg: TrainConfig) -> int | None:
+    """in_channels for a fresh run, where it costs nothing to know; None for the user's own dataset."""
+    if cfg.dataset in BUILT_IN_CHANNELS:
+        return BUILT_IN_CHANNELS[cfg.dataset]
+    if cfg.dataset == "parquet" and cfg.data_dir:
+        return int(formats.read_manifest(Path(cfg.data_dir).expanduser())["channels"])
+    return None
 
 
 def data_root(cfg: TrainConfig) -> Path:

@@ -6,6 +6,7 @@ group as a real run (same placement, same backend, same env), so what passes her
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from typing import Any
@@ -83,20 +84,22 @@ def nodes_table() -> list[str]:
     return lines
 
 
-def check(cfg: Any, iters: int) -> bool:
+def check_cluster(cfg: Any, iters: int) -> bool:
     """Print the cluster and the collective results; True when every rank passed."""
     import ray
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_ddp.driver.cluster import connect, preflight, trainer_configs
-    from raytrain_ddp.ray_compat.state import token_auth_enabled
+    from raytrain_ddp.driver.preflight import layout, wait_for_room
+    from raytrain_ddp.driver.session import connect, trainer_configs
     from raytrain_ddp.ray_compat import fast
+    from raytrain_ddp.ray_compat.state import token_auth_enabled
 
     connect(cfg)
     print(f"Ray {ray.__version__}, token auth {'on' if token_auth_enabled() else 'OFF'}")
     print("\n".join(nodes_table()))
-    cfg = preflight(cfg)
+    nodes, free_cpus = wait_for_room(cfg)  # a request that cannot fit is one line, not a wait
+    cfg = dataclasses.replace(cfg, **layout(cfg, nodes, free_cpus))
     scaling, run_config, torch_config = trainer_configs(cfg)
     results = Queue(actor_options={"num_cpus": 0})
     trainer = fast(TorchTrainer)(

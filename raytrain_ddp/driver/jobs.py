@@ -29,12 +29,10 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
-
-import typer
+from typing import Any, Callable, Iterator
 
 import raytrain_ddp
-from raytrain_ddp.driver.cluster import PASSED_TO_WORKERS, version_mismatch
+from raytrain_ddp.driver.session import PASSED_TO_WORKERS, version_mismatch
 from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
 from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS, find_target
@@ -138,7 +136,7 @@ def connection_reason(err: BaseException) -> str:
     return found[-1].strip() if found else type(err).__name__
 
 
-def connect(address: str | None) -> tuple[Any, str]:
+def job_client(address: str | None) -> tuple[Any, str]:
     """A JobSubmissionClient for the cluster, checked first, and the dashboard URL."""
     url = dashboard_address(address)
     try:
@@ -239,13 +237,10 @@ def runtime_env() -> dict[str, Any]:
 
 def launch_job(argv: list[str], parse_launch: Callable[[list[str]], dict[str, Any]]) -> tuple[TrainConfig, str, dict[str, Any]]:
     """`raytrain launch ARGV` as a job: its config, its entrypoint and its runtime_env. ARGV is
-    parsed by the real `launch` command (`parse_launch`, from the CLI that registered submit) and
-    its script found here, so a typo fails in one line before anything is uploaded."""
-    try:
-        params = parse_launch(list(argv))
-    except typer.TyperException as err:  # click's usage errors, as typer ships them
-        reason = " ".join(err.format_message().split()).rstrip(".")
-        raise ConfigError(f"in the launch command: {reason}; see raytrain launch --help") from None
+    parsed by the real `launch` command (`parse_launch`, which the CLI passes in and which raises
+    ConfigError on a usage error) and its script found here, so a typo fails in one line before
+    anything is uploaded."""
+    params = parse_launch(list(argv))
     if params["address"] is not None:
         raise ConfigError(
             f"--address {params['address']} in the launch command: the job's driver finds its cluster by itself; "
@@ -302,9 +297,9 @@ def submit(
         print(f"runtime_env: {json.dumps(env, indent=2)}")
         print(f"run directory on the cluster: {run_dir(cfg)}")
         return 0
-    jobs, url = connect(address)
+    client, url = job_client(address)
     with answers(url):
-        job_id = jobs.submit_job(
+        job_id = client.submit_job(
             entrypoint=command,
             runtime_env=env,
             metadata={"raytrain_run": cfg.name, "raytrain_dir": run_dir(cfg)},
@@ -313,25 +308,25 @@ def submit(
     if not wait:
         print(job_id)  # alone on stdout, for JOB=$(raytrain submit --no-wait ...)
         return 0
-    return follow(jobs, url, job_id)
+    return follow(client, url, job_id)
 
 
-def follow(jobs: Any, url: str, job_id: str) -> int:
+def follow(client: Any, url: str, job_id: str) -> int:
     """Stream the job's logs to stdout until it ends; return its exit status."""
 
     async def stream() -> None:
-        async for chunk in jobs.tail_job_logs(job_id):
+        async for chunk in client.tail_job_logs(job_id):
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
     try:
         with answers(url, job_id):
             asyncio.run(stream())
-            info = jobs.get_job_info(job_id)
+            info = client.get_job_info(job_id)
             deadline = time.monotonic() + JOB_END_WAIT_S
             while not info.status.is_terminal() and time.monotonic() < deadline:
                 time.sleep(1.0)
-                info = jobs.get_job_info(job_id)
+                info = client.get_job_info(job_id)
     except KeyboardInterrupt:
         say(f"detached; job {job_id} keeps running. Follow it: raytrain logs {job_id} --follow "
             f"--address {url}; stop it: raytrain stop {job_id} --address {url}")
@@ -343,10 +338,11 @@ def follow(jobs: Any, url: str, job_id: str) -> int:
         )
     # Ray appends the log's tail to a failure's message; the logs were just streamed above.
     say(f"job {job_id} {info.status}: {first_line(info.message).split(', last available logs')[0]}")
-    return exit_status(info)
+    return job_exit_code(info)
 
 
-def exit_status(info: Any) -> int:
+def job_exit_code(info: Any) -> int:
+    """The exit status a job's end maps to (the module's docstring lists them)."""
     status = str(info.status)
     if status == "SUCCEEDED":
         return 0
@@ -357,10 +353,10 @@ def exit_status(info: Any) -> int:
 
 
 def status(address: str | None, job_id: str | None) -> int:
-    jobs, url = connect(address)
+    client, url = job_client(address)
     with answers(url, job_id):
         if job_id is not None:
-            info = jobs.get_job_info(job_id)
+            info = client.get_job_info(job_id)
             print(f"{job_id}: {info.status}")
             meta = info.metadata or {}
             if "raytrain_run" in meta:
@@ -369,7 +365,7 @@ def status(address: str | None, job_id: str | None) -> int:
                 print(f"  message: {first_line(info.message)}")
             print(f"  entrypoint: {info.entrypoint}")
             return 0
-        submitted = [j for j in jobs.list_jobs() if j.submission_id]
+        submitted = [j for j in client.list_jobs() if j.submission_id]
     for info in sorted(submitted, key=lambda j: j.start_time or 0):
         run = (info.metadata or {}).get("raytrain_run", "-")
         print(f"{info.submission_id}  {str(info.status):9}  {run}")
@@ -379,20 +375,20 @@ def status(address: str | None, job_id: str | None) -> int:
 
 
 def logs(address: str | None, job_id: str, follow_logs: bool = False) -> int:
-    jobs, url = connect(address)
+    client, url = job_client(address)
     with answers(url, job_id):
-        jobs.get_job_status(job_id)  # an unknown id fails here, in one line, not in the stream
+        client.get_job_status(job_id)  # an unknown id fails here, in one line, not in the stream
         if not follow_logs:
-            sys.stdout.write(jobs.get_job_logs(job_id))
+            sys.stdout.write(client.get_job_logs(job_id))
             return 0
-    return follow(jobs, url, job_id)
+    return follow(client, url, job_id)
 
 
 def stop(address: str | None, job_id: str) -> int:
-    jobs, url = connect(address)
+    client, url = job_client(address)
     with answers(url, job_id):
-        stopping = jobs.stop_job(job_id)
-        now = jobs.get_job_status(job_id)
+        stopping = client.stop_job(job_id)
+        now = client.get_job_status(job_id)
     if stopping:
         say(f"stopping {job_id}: SIGTERM now; a run checkpoints at its next agreed step and exits "
             f"(Ray kills it after {STOP_GRACE_S} s). Watch: raytrain status {job_id} --address {url}")
@@ -409,68 +405,3 @@ def first_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[0] if lines else ""
 
-
-# ---- typer wiring --------------------------------------------------------------------------------
-
-ADDRESS_HELP = (
-    "The cluster's dashboard, http://HEAD:8265. Default: $RAY_API_SERVER_ADDRESS, or $RAY_ADDRESS "
-    "if it is http(s)://. Token: $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN."
-)
-
-
-def register(app: typer.Typer, train_options: Callable[..., Any], debug_option: Any) -> None:
-    """Add submit, status, logs and stop to the `raytrain` app (cli.py calls this)."""
-    import typer.main
-
-    def parse_launch(argv: list[str]) -> dict[str, Any]:
-        """What the app's own `launch` command would make of argv (no run)."""
-        return typer.main.get_command(app).commands["launch"].make_context("launch", argv).params
-
-    # Stop at the first word, `launch`: the options after it are the launch command's, not submit's.
-    @app.command("submit", context_settings={"allow_interspersed_args": False})
-    @train_options(own_flags=("address",))
-    def submit_command(
-        cfg: TrainConfig,
-        launch: Optional[list[str]] = typer.Argument(
-            None, metavar="launch OPTIONS SCRIPT.py ARGS",
-            help="Submit a `raytrain launch` command line instead of a run (submit's own options go before it).",
-        ),
-        address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
-        wait: bool = typer.Option(
-            True, "--wait/--no-wait", help="Stream the logs and exit with the job's status (--no-wait: print the job id)."
-        ),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the job's entrypoint and runtime_env; submit nothing."),
-        debug: bool = debug_option,
-    ) -> None:
-        """Run training, or `launch` a script, as a Ray job; exit 0 SUCCEEDED, the run's status FAILED, 130 STOPPED."""
-        raise typer.Exit(submit(cfg, address, wait=wait, dry_run=dry_run, launch=launch, parse_launch=parse_launch))
-
-    @app.command("status")
-    def status_command(
-        job_id: Optional[str] = typer.Argument(None, help="A job id from `raytrain submit`; omit to list the jobs."),
-        address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
-        debug: bool = debug_option,
-    ) -> None:
-        """Show a submitted job's status, or list the cluster's jobs."""
-        raise typer.Exit(status(address, job_id))
-
-    @app.command("logs")
-    def logs_command(
-        job_id: str = typer.Argument(..., help="A job id from `raytrain submit`."),
-        follow_logs: bool = typer.Option(
-            False, "--follow", "-f", help="Stream until the job ends and exit with its status, as submit does."
-        ),
-        address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
-        debug: bool = debug_option,
-    ) -> None:
-        """Print a submitted job's logs."""
-        raise typer.Exit(logs(address, job_id, follow_logs))
-
-    @app.command("stop")
-    def stop_command(
-        job_id: str = typer.Argument(..., help="A job id from `raytrain submit`."),
-        address: Optional[str] = typer.Option(None, "--address", help=ADDRESS_HELP),
-        debug: bool = debug_option,
-    ) -> None:
-        """Stop a submitted job: SIGTERM, so the run checkpoints and exits; SIGKILL after 60 s."""
-        raise typer.Exit(stop(address, job_id))

@@ -1,7 +1,7 @@
 """`raytrain launch`: the driver that runs an unmodified torchrun-style script on N Ray workers.
 
 It does what torchrun and the sbatch around it do by hand, with Ray placing the ranks: each worker
-runs the script with torchrun's environment (launch_agent.py), every rank's output comes back here marked
+runs the script with torchrun's environment (worker/agent.py), every rank's output comes back here marked
 with its rank, and the exit status is the script's. Scale is the same ScalingConfig as `raytrain
 run`; the ranks are Ray Train workers of a plain DataParallelTrainer, since the script makes its
 own process group (a TorchTrainer would make one more, and a CUDA context per rank for it).
@@ -9,11 +9,10 @@ own process group (a TorchTrainer would make one more, and a CUDA context per ra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
-import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,23 +20,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.driver.cluster import (
-    ELASTIC_RETRIES,
-    FitThread,
-    check_writable,
-    choose_layout,
-    connect,
-    on_this_node,
-    preflight,
-    resolve_run,
-    trainer_configs,
-)
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver import core, preflight, shipping
+from raytrain_ddp.driver.core import Signals, StartupClock, drive
+from raytrain_ddp.driver.preflight import RunPlan
+from raytrain_ddp.driver.resources import choose_layout
+from raytrain_ddp.driver.session import ELASTIC_RETRIES, on_this_node, trainer_configs
+from raytrain_ddp.driver.startup import LAUNCH_STAGES
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
-from raytrain_ddp.driver.metrics import write_json
-from raytrain_ddp.driver.shipping import ship_code
-from raytrain_ddp.driver.startup import LAUNCH_STAGES, stages, stages_line
-from raytrain_ddp.driver.startup import summary as startup_summary
+from raytrain_ddp.launch_records import AttemptStarted, LaunchOutcome, RankExit, StartupMarks, describe_exit, exit_status
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
@@ -124,42 +115,41 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     if stop_grace_s < 0:
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
-    if cfg.elastic:
-        ray_compat.require("elastic")
-    cfg, run_dir = resolve_run(cfg)
     if dry_run:
-        scaling, run_config, _ = trainer_configs(choose_layout(cfg, []))
-        print(f"each of {size(cfg)} ranks runs: python {' '.join(target.argv(shared=True))}")
+        cfg, run_dir, _, _ = preflight.check_request(cfg, trains=False)
+        scaling, run_config, _ = trainer_configs(dataclasses.replace(cfg, **choose_layout(cfg, [])._asdict()))
+        print(f"each of {RunPlan(cfg, run_dir).world} ranks runs: python {' '.join(target.argv(shared=True))}")
         print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
-    marks = {"python": started} if launched else {}  # start-up stages, the driver's (startup.py)
-    if without := ray_compat.going_without(("fast_start",)):  # a script has no drain notices of ours
-        say(without)
-    signals = Signals()  # from here on, a Ctrl-C or SIGTERM is ours: remembered, then forwarded
-    check_writable(run_dir)
-    marks["checks"] = time.time()
-    connect(cfg)
-    marks["connect"] = time.time()
-    cfg = preflight(cfg)
-    marks["placement"] = time.time()
+    with Signals() as signals:  # from here on, a SIGTERM is ours: remembered, then forwarded
+        plan = preflight.plan(cfg, trains=False)
+        placement = shipping.place(target.file, target.root)
+        where = Path.cwd() if placement.shared else f"their copy of {target.root}"
+        say(f"ranks run in {where} ({placement.describe()})")
+        shipping.ship_code(plan.cfg, placement.runtime_env())
+        signals.install()  # again: ray.init put its own SIGTERM handler in
+        if signals.received:  # before any rank started: nothing to forward, nothing lost
+            say(f"got {signals.first} before any rank started; nothing to stop")
+            return EXIT_INTERRUPTED if signals.first == "SIGINT" else EXIT_STOPPED
+        clock = StartupClock(launched, started, plan, LAUNCH_STAGES, " to the script's start")
+        return supervise(plan, target, placement, shown, signals, stop_grace_s, started, clock)
 
+
+def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], signals: Signals, stop_grace_s: float,
+              started: float, clock: StartupClock) -> int:
+    """Start every rank's agent, relay their output and the driver's signals until they end; the exit status."""
+    import ray
     from ray.train.v2.api.data_parallel_trainer import (
         DataParallelTrainer,  # TorchTrainer, minus its process group
     )
 
-    from raytrain_ddp.driver import shipping
-    from raytrain_ddp.worker.launch_agent import LaunchHub, hub_options, resize_notice, run_script
+    from raytrain_ddp.driver.hub import LaunchHub, hub_options, resize_notice
+    from raytrain_ddp.worker.agent import run_script
 
-    placement = shipping.place(target.file, target.root)
-    where = Path.cwd() if placement.shared else f"their copy of {target.root}"
-    say(f"ranks run in {where} ({placement.describe()})")
-    ship_code(cfg, placement.runtime_env())
-    signals.install()  # again: ray.init put its own SIGTERM handler in
-    if signals.received:  # before any rank started: nothing to forward, nothing lost
-        return signals.before_start()
+    cfg = plan.cfg
     scaling, run_config, _ = trainer_configs(cfg)
-    hub = LaunchHub.options(scheduling_strategy=on_this_node(), **hub_options(cfg.max_workers or cfg.workers)).remote()
+    hub = LaunchHub.options(scheduling_strategy=on_this_node(), **hub_options(plan.most_workers)).remote()
     if cfg.elastic:  # SIGTERM and the grace before Ray Train resizes the group, not a kill
         run_config.callbacks.append(ray_compat.before_resize(functools.partial(resize_notice, hub, stop_grace_s)))
     trainer = ray_compat.fast(DataParallelTrainer)(
@@ -171,97 +161,50 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
             "probe": str(target.file.relative_to(target.root)),
             "max_restarts": cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0),  # what Ray Train allows
             "run_id": cfg.name,
-            "run_dir": str(run_dir),  # RAYTRAIN_RUN_DIR in the script's environment
+            "run_dir": str(plan.run_dir),  # RAYTRAIN_RUN_DIR in the script's environment
             "stop_grace_s": stop_grace_s,
         },
         scaling_config=scaling,
         run_config=run_config,
     )
     backend = "GPU" if cfg.gpu else "CPU"
-    which = "all ranks" if len(shown) == (cfg.max_workers or cfg.workers) else "rank " + ",".join(map(str, sorted(shown)))
-    say(f"{size(cfg)} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
-    say(f"showing {which} (--show-ranks); every rank's output: {run_dir / 'logs'}/rank-N.log")
-    printer = Printer(hub, run_dir / "logs", shown, (launched or started, marks))
-    fit = FitThread(trainer)  # so our SIGINT handler stays in place (cluster.FitThread)
-    signals.live = True
-    fit.start()
+    which = "all ranks" if len(shown) == plan.most_workers else "rank " + ",".join(map(str, sorted(shown)))
+    say(f"{plan.world} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
+    say(f"showing {which} (--show-ranks); every rank's output: {plan.run_dir / 'logs'}/rank-N.log")
+    printer = Printer(hub, plan.run_dir / "logs", shown, clock)
     try:
-        while fit.is_alive():
-            printer.drain()
-            signals.forward(hub, stop_grace_s)
-            fit.join(POLL_S)
-        signals.forward(hub, stop_grace_s)
+        error = drive(trainer, signals, printer.drain, functools.partial(forward, hub, stop_grace_s), POLL_S)
     finally:
         printer.close()
+    outcome = ray.get(hub.outcome.remote())
+    write_summary(plan, target, outcome, started, clock)
+    return judge(outcome, error, signals.received)
 
+
+def forward(hub: Any, grace_s: float, name: str, before: list[str]) -> None:
+    """A signal, passed to every rank's script as torchrun's agent passes it: SIGINT as SIGINT, SIGTERM
+    and SIGUSR1 (Slurm's notice, scancel, a time limit) as SIGTERM; each rank is signalled once, then
+    SIGKILLed if it outlives --stop-grace-s. A second Ctrl-C kills every rank at once. The driver
+    waits until the hub has it, so no request is lost."""
     import ray
 
-    outcome = ray.get(hub.outcome.remote())
-    write_summary(run_dir, cfg, target, outcome, started, printer.startup)
-    return judge(outcome, fit.error, signals.received)
+    if not before:
+        sent = "SIGINT" if name == "SIGINT" else "SIGTERM"
+        say(f"got {name}: sending {sent} to every rank's script; SIGKILL to any still running after "
+            f"{grace_s:g} s (--stop-grace-s)" + ("; Ctrl-C again to kill them now" if name == "SIGINT" else ""))
+        ray.get(hub.request_stop.remote(name))
+    elif name == "SIGINT":
+        say("got SIGINT again: killing every rank's script now")
+        ray.get(hub.request_stop.remote(before[0], kill=True))
 
 
-def size(cfg: TrainConfig) -> str:
-    return f"{cfg.workers} to {cfg.max_workers} (elastic)" if cfg.elastic else str(cfg.workers)
-
-
-class Signals:
-    """The driver's SIGINT, SIGTERM and SIGUSR1, as torchrun's agent takes them.
-
-    The handler only notes the signal; the main loop passes it to the hub and waits until the hub
-    has it, so no request can be lost inside a Ray call that the signal interrupted. SIGINT goes to
-    the scripts as SIGINT, SIGTERM and SIGUSR1 (Slurm's notice, scancel, a time limit) as SIGTERM;
-    each rank is signalled once, then SIGKILLed if it outlives --stop-grace-s. A second Ctrl-C kills
-    every rank at once.
-    """
-
-    def __init__(self) -> None:
-        self.received: list[str] = []
-        self.sent = 0
-        self.live = False
-        """Set once fit() runs: before that a Ctrl-C interrupts the driver as usual (no rank to stop)."""
-        self.install()
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.handler)
-
-    def handler(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT and not self.live:
-            raise KeyboardInterrupt
-        self.received.append(signal.Signals(signum).name)
-
-    def before_start(self) -> int:
-        name = self.received[0]
-        say(f"got {name} before any rank started; nothing to stop")
-        return EXIT_INTERRUPTED if name == "SIGINT" else EXIT_STOPPED
-
-    def forward(self, hub: Any, grace_s: float) -> None:
-        import ray
-
-        while self.sent < len(self.received):
-            name = self.received[self.sent]
-            first = self.sent == 0
-            self.sent += 1
-            if first:
-                sent = "SIGINT" if name == "SIGINT" else "SIGTERM"
-                say(f"got {name}: sending {sent} to every rank's script; SIGKILL to any still running after "
-                    f"{grace_s:g} s (--stop-grace-s)" + ("; Ctrl-C again to kill them now" if name == "SIGINT" else ""))
-                ray.get(hub.request_stop.remote(name))
-            elif name == "SIGINT":
-                say("got SIGINT again: killing every rank's script now")
-                ray.get(hub.request_stop.remote(self.received[0], kill=True))
-
-
-def judge(outcome: dict[str, Any], error: BaseException | None, received: list[str]) -> int:
+def judge(outcome: LaunchOutcome, error: BaseException | None, received: list[str]) -> int:
     """The exit status and the line that explains it: torchrun's, 75 after a stop, 130 after Ctrl-C."""
-    from raytrain_ddp.worker.launch_agent import describe_exit, exit_status
-
-    exits = outcome["exits"]
-    first = outcome["failed_first"]
+    exits = outcome.exits
+    first = outcome.failed_first
     if received:
         name = received[0]
-        codes = {rank: e["code"] for rank, e in sorted(exits.items())}
+        codes = {rank: e.code for rank, e in sorted(exits.items())}
         bad = {rank: code for rank, code in codes.items() if code != 0}
         if name == "SIGINT":
             killed = f"; rank {next(iter(bad))} exited with {describe_exit(next(iter(bad.values())))}" if bad else ""
@@ -277,49 +220,37 @@ def judge(outcome: dict[str, Any], error: BaseException | None, received: list[s
             return exit_status(code)
     if first is not None:
         failed = exits[first]
-        root_cause(first, failed)
-        say(
-            f"error: rank {first} on {failed['hostname']} ({failed['ip']}) exited with "
-            f"{describe_exit(failed['code'])}" + (f": {failed['last_line']}" if failed["last_line"] else "")
-        )
-        return exit_status(failed["code"]) or EXIT_FAILED
+        root_cause(failed)
+        say(f"error: rank {first} on {failed.hostname} ({failed.ip}) {failed.describe()}")
+        return exit_status(failed.code) or EXIT_FAILED
     if error is not None:
         raise error  # not the script: Ray itself failed (a lost node, no resources); cli says it in one line
     return 0
 
 
-def root_cause(rank: int, failed: dict[str, Any]) -> None:
+def root_cause(failed: RankExit) -> None:
     """The traceback the script's torch `@record` left in its TORCHELASTIC_ERROR_FILE, as torchrun's
     summary shows it."""
-    error = failed.get("error")
-    if error and error["traceback"]:
-        say(f"root cause: rank {rank} on {failed['hostname']} raised {error['message']}")
-        print(error["traceback"].rstrip("\n"), file=sys.stderr, flush=True)
+    error = failed.error
+    if error and error.traceback:
+        say(f"root cause: rank {failed.rank} on {failed.hostname} raised {error.message}")
+        print(error.traceback.rstrip("\n"), file=sys.stderr, flush=True)
 
 
-def write_summary(
-    run_dir: Path, cfg: TrainConfig, target: Target, outcome: dict[str, Any], started: float,
-    startup: dict[str, float] | None = None,
-) -> None:
-    from raytrain_ddp.worker.launch_agent import exit_status
-
-    peers = [p or {} for p in outcome["peers"]]
-    world_size = outcome["world_size"] or cfg.workers
-    codes = [outcome["exits"].get(r, {}).get("code") for r in range(world_size)]
-    write_json(run_dir / "summary.json", {
-        "name": cfg.name,
-        "run_dir": str(run_dir),
-        "command": ["python", *target.argv(shared=True)],
-        "world_size": world_size,
-        "attempts": outcome["attempts"],
-        "nodes": [p.get("hostname") for p in peers],
-        "node_ips": [p.get("ip") for p in peers],
-        "exit_codes": [None if code is None else exit_status(code) for code in codes],  # as a shell shows them
-        "stop_signal": outcome["stop_signal"],
-        "wall_time_s": round(time.time() - started, 3),
-        "startup": startup_summary(startup) if startup else None,  # up to the script's start
-        "config": {key: getattr(cfg, key) for key in LAUNCH_FIELDS},
-    })
+def write_summary(plan: RunPlan, target: Target, outcome: LaunchOutcome, started: float, clock: StartupClock) -> None:
+    peers = [p or {} for p in outcome.peers]
+    world_size = outcome.world_size or plan.cfg.workers
+    codes = [outcome.exits[r].code if r in outcome.exits else None for r in range(world_size)]
+    core.write_summary(
+        plan, started, clock, {key: getattr(plan.cfg, key) for key in LAUNCH_FIELDS},
+        command=["python", *target.argv(shared=True)],
+        world_size=world_size,
+        attempts=outcome.attempts,
+        nodes=[p.get("hostname") for p in peers],
+        node_ips=[p.get("ip") for p in peers],
+        exit_codes=[None if code is None else exit_status(code) for code in codes],  # as a shell shows them
+        stop_signal=outcome.stop_signal,
+    )
 
 
 def say(line: str) -> None:
@@ -333,10 +264,8 @@ class Printer:
     them), marked `[rankN]:` as torchrun's --tee marks them; and, when the first script starts, the
     start-up stages."""
 
-    def __init__(self, hub: Any, log_dir: Path, shown: set[int], driver_marks: tuple[float, dict[str, float]] = (0.0, {})):
-        self.hub, self.log_dir, self.shown = hub, log_dir, shown
-        self.begin, self.marks = driver_marks
-        self.startup: dict[str, float] | None = None
+    def __init__(self, hub: Any, log_dir: Path, shown: set[int], clock: StartupClock):
+        self.hub, self.log_dir, self.shown, self.clock = hub, log_dir, shown, clock
         self.files: dict[int, TextIO] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -348,35 +277,31 @@ class Printer:
     def drain(self) -> None:
         import ray
 
-        for rank, stream, text in ray.get(self.hub.take_lines.remote()):
-            if rank < 0 and stream == "startup":  # rank 0's agent marks (the first attempt's), stitched to ours
-                self.startup = stages(self.begin, {**self.marks, **json.loads(text)}, LAUNCH_STAGES)
-                say(stages_line(self.startup, " to the script's start"))
-                continue
-            if rank < 0:
-                self.new_attempt(json.loads(text))
-                continue
-            self.log(rank).write(text + "\n")
-            if rank in self.shown:
-                print(mark(rank, text), file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
+        for event in ray.get(self.hub.take_events.remote()):
+            if isinstance(event, StartupMarks):  # rank 0's agent marks (the first attempt's), stitched to ours
+                if line := self.clock.ranks_started(event.marks):
+                    say(line)
+            elif isinstance(event, AttemptStarted):
+                self.new_attempt(event)
+            else:
+                self.log(event.rank).write(event.text + "\n")
+                if event.rank in self.shown:
+                    print(mark(event.rank, event.text), file=sys.stdout if event.stream == "stdout" else sys.stderr, flush=True)
 
-    def new_attempt(self, attempt: dict[str, Any]) -> None:
+    def new_attempt(self, attempt: AttemptStarted) -> None:
         """A new worker group: marked in every log; on the terminal, why the last one ended."""
         for f in self.files.values():
-            f.write(f"--- attempt {attempt['number']}, world size {attempt['world_size']} ---\n")
-        if attempt["number"] == 1:
+            f.write(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
+        if attempt.number == 1:
             return
-        failed = attempt["previous"]
+        failed = attempt.previous
         if failed is not None:  # a script failed first: that is the cause, whatever came after
-            from raytrain_ddp.worker.launch_agent import describe_exit
-
-            root_cause(failed["rank"], failed)
-            say(f"attempt {attempt['number'] - 1}: rank {failed['rank']} on {failed['hostname']} exited with "
-                f"{describe_exit(failed['code'])}" + (f": {failed['last_line']}" if failed["last_line"] else ""))
-        elif attempt["resized"]:
-            say(f"attempt {attempt['number'] - 1}: every rank got SIGTERM because {attempt['resized']}")
-        say(f"attempt {attempt['number']}: the worker group restarted at world size {attempt['world_size']} "
-            "(TORCHELASTIC_RESTART_COUNT={}); the script runs again".format(attempt["number"] - 1))
+            root_cause(failed)
+            say(f"attempt {attempt.number - 1}: rank {failed.rank} on {failed.hostname} {failed.describe()}")
+        elif attempt.resized:
+            say(f"attempt {attempt.number - 1}: every rank got SIGTERM because {attempt.resized}")
+        say(f"attempt {attempt.number}: the worker group restarted at world size {attempt.world_size} "
+            f"(TORCHELASTIC_RESTART_COUNT={attempt.number - 1}); the script runs again")
 
     def close(self) -> None:
         self.drain()  # the last lines may have landed after the previous poll

@@ -138,15 +138,15 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
     """Run each strategy (default cfg's) at each size, then write and print the table; returns the
     study's directory. The strategies take turns at each size, so a machine that slows down over the
     study slows them alike. `sharding` (default cfg's) is the fsdp runs'."""
-    from raytrain_ddp.driver import cluster
     from raytrain_ddp.driver import run as driver
+    from raytrain_ddp.driver.preflight import resolve_run
     from raytrain_ddp.driver.metrics import read_csv
 
     strategies = strategies or [cfg.strategy]
     if sharding and "fsdp" not in strategies:
         raise ConfigError(f"--sharding {sharding} is for the fsdp runs; add fsdp to --strategy (e.g. ddp,fsdp)")
     dataclasses.replace(cfg, strategy="fsdp", sharding=sharding or cfg.sharding)  # a bad --sharding fails now, not after some runs
-    cfg, study_dir = cluster.resolve_run(cfg)
+    cfg, study_dir = resolve_run(cfg)
     runs = {}
     for n in sizes:
         for strategy in strategies:

@@ -126,7 +126,7 @@ def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
     local directory. Only on a multi-node cluster whose nodes lack the code (a local Ray never)."""
     import ray
 
-    from raytrain_ddp.driver.cluster import connect
+    from raytrain_ddp.driver.session import connect
 
     if runtime_env:
         ray.shutdown()

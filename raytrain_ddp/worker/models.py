@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from raytrain_ddp import plugins
-from raytrain_ddp.config import ConfigError
+from raytrain_ddp.config import ConfigError, TrainConfig
 
 
 def convnet(num_classes: int, in_channels: int) -> nn.Module:
@@ -69,3 +70,25 @@ def model_builder(name: str, given: Callable[..., Any] | None = None) -> Callabl
         return model
 
     return checked
+
+
+def build_on_meta(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels: int) -> nn.Module:
+    """The model as the workers will build it, on the meta device: shapes, no memory, no init cost.
+    A builder that cannot run on meta (it loads weights, say) is built on the CPU instead."""
+    build = model_builder(cfg.model, given)
+    try:
+        with torch.device("meta"):
+            return build(num_classes=cfg.num_classes, in_channels=in_channels)
+    except ConfigError:
+        raise  # not an nn.Module: model_builder's own line
+    except Exception:
+        pass
+    try:
+        return build(num_classes=cfg.num_classes, in_channels=in_channels)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(
+            f"--model {cfg.model} failed to build with num_classes={cfg.num_classes}, in_channels={in_channels}: "
+            f"{type(err).__name__}: {err}"
+        ) from None

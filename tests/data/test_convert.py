@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.data import formats
-from raytrain_ddp.data.convert import convert, data_app
+from raytrain_ddp.cli import app
+from raytrain_ddp.data.convert import convert
 
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities:DeprecationWarning")
 
@@ -98,7 +99,7 @@ def test_refuses_to_overwrite_without_the_flag(tmp_path):
 def test_the_command(tmp_path):
     write_imagefolder(tmp_path / "src", per_class=3, val_per_class=1)
     result = CliRunner().invoke(
-        data_app, ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--format", "imagefolder", "--no-progress"]
+        app, ["data", "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--format", "imagefolder", "--no-progress"]
     )
     assert result.exit_code == 0, result.output
     assert "wrote 12 train + 4 val images in 2 shards" in result.output

@@ -61,7 +61,7 @@ def test_torch_paths_without_ray(tmp_path):
 @pytest.mark.e2e
 def test_tiny_benchmark_runs_every_path(tmp_path, ray_head):
     result = subprocess.run(
-        [sys.executable, "-m", "raytrain_ddp.bench.data", "--tiny", "--address", ray_head.address,
+        [sys.executable, "-m", "raytrain_ddp", "bench", "data", "--tiny", "--address", ray_head.address,
          "--json", str(tmp_path / "bench.json")],
         env=ray_head.env, capture_output=True, text=True, timeout=600,
     )

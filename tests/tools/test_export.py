@@ -10,8 +10,7 @@ import torch
 from conftest import raytrain
 from test_strategy import Net, config, run_ranks, save_sharded
 
-from raytrain_ddp.checkpoint import io as checkpoint
-from raytrain_ddp.checkpoint.compat import SNAPSHOT
+from raytrain_ddp.checkpoint.files import SHARDS, SNAPSHOT, STATE
 
 
 def registered(run_dir: Path, name: str) -> Path:
@@ -24,7 +23,7 @@ def registered(run_dir: Path, name: str) -> Path:
 def test_export_puts_fsdp_shards_together_for_a_plain_module(tmp_path):
     saved = registered(tmp_path / "run", "checkpoint_2")
     registered(tmp_path / "other", "checkpoint_1")  # not the latest of this run: never read
-    trained = run_ranks(save_sharded, config(optimizer="adamw", lr=0.01, strategy="fsdp"), str(saved / checkpoint.SHARDS))
+    trained = run_ranks(save_sharded, config(optimizer="adamw", lr=0.01, strategy="fsdp"), str(saved / SHARDS))
     result = raytrain("export", str(tmp_path / "run"), "--to", str(tmp_path / "model.pt"))
     assert result.returncode == 0, result.stderr
     assert "exported checkpoint_2" in result.stdout
@@ -32,11 +31,11 @@ def test_export_puts_fsdp_shards_together_for_a_plain_module(tmp_path):
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: every key, every shape
     # the weights saved after the first step: the returned ones took a second, so they differ; check
     # against the shards loaded through the training path instead
-    from raytrain_ddp.worker import parallel as strategy
-    from raytrain_ddp.worker.loop import make_optimizer
+    from raytrain_ddp.checkpoint.state_dicts import load_sharded
+    from raytrain_ddp.worker.step import make_optimizer
 
     reference = Net()
-    strategy.load_sharded(reference, make_optimizer(config(optimizer="adamw"), reference), saved / checkpoint.SHARDS)
+    load_sharded(reference, make_optimizer(config(optimizer="adamw"), reference), saved / SHARDS)
     for key, value in reference.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
     assert not torch.equal(model.state_dict()["head.weight"], Net().state_dict()["head.weight"])  # trained
@@ -46,7 +45,7 @@ def test_export_puts_fsdp_shards_together_for_a_plain_module(tmp_path):
 def test_export_takes_a_ddp_checkpoints_model_as_it_is(tmp_path):
     saved = registered(tmp_path / "run", "checkpoint_0")
     model = Net()
-    torch.save({"model": model.state_dict(), "optimizer": {}}, saved / checkpoint.STATE)
+    torch.save({"model": model.state_dict(), "optimizer": {}}, saved / STATE)
     result = raytrain("export", str(tmp_path / "run"), "--to", str(tmp_path / "out" / "model.pt"))
     assert result.returncode == 0, result.stderr
     exported = torch.load(tmp_path / "out" / "model.pt", weights_only=True)

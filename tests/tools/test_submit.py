@@ -26,7 +26,7 @@ from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
 from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.driver.shipping import SHIP_EXCLUDES
-from raytrain_ddp.driver import jobs as submit
+from raytrain_ddp.driver import jobs
 
 HEAD_CPUS = 2  # the tiny runs below take 2 workers x 1 CPU
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
@@ -47,8 +47,8 @@ def test_entrypoint_flags_rebuild_the_config(tmp_path):
     config.write_text("epochs: 7\noptimizer: adamw\nlr: 0.003\ngpu: true\namp: false\n")
     cfg = resolve(config, {"workers": 8, "storage_path": "/mnt/shared/runs", "data_dir": "~/data",
                            "placement": "spread", "resume": False, "verbose": True, "name": "exp 1"})
-    cfg = submit.for_cluster(cfg)
-    command = shlex.split(submit.entrypoint(cfg))
+    cfg = jobs.for_cluster(cfg)
+    command = shlex.split(jobs.entrypoint(cfg))
     assert command[:4] == ["python", "-m", "raytrain_ddp", "run"]
     assert "--config" not in command  # the file is read here; its values travel as flags
     assert parse_run_flags(command[4:]) == cfg
@@ -56,12 +56,12 @@ def test_entrypoint_flags_rebuild_the_config(tmp_path):
 
 
 def test_defaults_stay_out_of_the_entrypoint():
-    cfg = submit.for_cluster(TrainConfig(storage_path="/runs", name="a"))
-    assert submit.run_flags(cfg) == ["--storage-path", "/runs", "--name", "a"]
+    cfg = jobs.for_cluster(TrainConfig(storage_path="/runs", name="a"))
+    assert jobs.run_flags(cfg) == ["--storage-path", "/runs", "--name", "a"]
 
 
 def test_for_cluster_names_the_run_and_drops_the_gcs_address():
-    cfg = submit.for_cluster(TrainConfig(storage_path="/runs", address="10.0.0.1:6379"))
+    cfg = jobs.for_cluster(TrainConfig(storage_path="/runs", address="10.0.0.1:6379"))
     assert cfg.address is None  # the job's driver gets $RAY_ADDRESS from Ray
     assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.name)
 
@@ -69,12 +69,12 @@ def test_for_cluster_names_the_run_and_drops_the_gcs_address():
 @pytest.mark.parametrize("flag", ["storage_path", "data_dir"])
 def test_relative_paths_are_refused(flag):
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} .* is relative"):
-        submit.for_cluster(TrainConfig(**{"storage_path": "/runs", flag: "runs"}))
+        jobs.for_cluster(TrainConfig(**{"storage_path": "/runs", flag: "runs"}))
 
 
 def test_runtime_env_ships_only_the_package(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
-    env = submit.runtime_env()
+    env = jobs.runtime_env()
     [package] = env["py_modules"]
     assert Path(package) == REPO / "raytrain_ddp"
     assert "working_dir" not in env  # never the checkout: .venv, runs/, tests
@@ -92,7 +92,7 @@ def parse_launch(args: list[str]) -> dict:
 
 def test_launch_entrypoint_keeps_the_script_args_and_ships_its_directory():
     script_args = ["--out", "/mnt/shared/out", "--workers", "9", "--name", "mine", "-m"]
-    cfg, command, env = submit.launch_job(
+    cfg, command, env = jobs.launch_job(
         ["-w", "2", "--storage-path", "/mnt/shared/runs", str(SCRIPT), *script_args], parse_launch
     )
     words = shlex.split(command)
@@ -113,10 +113,10 @@ def test_launch_of_a_module_ships_its_root(monkeypatch):
     monkeypatch.chdir(REPO / "tests")
     monkeypatch.setattr(sys, "path", list(sys.path))  # find_target adds the cwd, as `python -m` does
     launch = ["--storage-path", "/runs", "--name", "a", "-m", "scripts.torchrun_train", "-x"]
-    cfg, command, env = submit.launch_job(launch, parse_launch)
+    cfg, command, env = jobs.launch_job(launch, parse_launch)
     assert shlex.split(command)[4:] == launch  # the user's line: -m MODULE as typed, the name already given
     assert Path(env["working_dir"]) == REPO / "tests"
-    assert submit.run_dir(cfg) == "/runs/a"
+    assert jobs.run_dir(cfg) == "/runs/a"
 
 
 @pytest.mark.parametrize(
@@ -142,30 +142,30 @@ def test_address_comes_from_the_flag_then_the_environment(monkeypatch):
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address, as on Slurm: not ours
     with pytest.raises(ConfigError, match="--address http://HEAD:8265"):
-        submit.dashboard_address(None)
+        jobs.dashboard_address(None)
     monkeypatch.setenv("RAY_ADDRESS", "http://head:8265/")
-    assert submit.dashboard_address(None) == "http://head:8265"
+    assert jobs.dashboard_address(None) == "http://head:8265"
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "https://ray.example.com")
-    assert submit.dashboard_address(None) == "https://ray.example.com"
-    assert submit.dashboard_address("head:8265") == "http://head:8265"
+    assert jobs.dashboard_address(None) == "https://ray.example.com"
+    assert jobs.dashboard_address("head:8265") == "http://head:8265"
     with pytest.raises(ConfigError, match="not a dashboard URL"):
-        submit.dashboard_address("ray://head:10001")
+        jobs.dashboard_address("ray://head:10001")
 
 
 def test_token_comes_from_the_variables_ray_reads(monkeypatch, tmp_path):
     for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         monkeypatch.delenv(key, raising=False)
-    assert submit.auth_headers() == {}
+    assert jobs.auth_headers() == {}
     token = tmp_path / "token"
     token.write_text("abc\n")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
-    assert submit.auth_headers() == {"Authorization": "Bearer abc"}
+    assert jobs.auth_headers() == {"Authorization": "Bearer abc"}
     monkeypatch.setenv("RAY_AUTH_TOKEN", "xyz")  # Ray's order: the variable beats the file
-    assert submit.auth_headers() == {"Authorization": "Bearer xyz"}
+    assert jobs.auth_headers() == {"Authorization": "Bearer xyz"}
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="cannot read RAY_AUTH_TOKEN_PATH"):
-        submit.auth_headers()
+        jobs.auth_headers()
 
 
 def test_no_dashboard_fails_fast_in_one_line():

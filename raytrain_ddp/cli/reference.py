@@ -1,6 +1,6 @@
 """docs/cli.md, the command-line reference, generated from the CLI itself (typer's click command tree):
 
-    python -m raytrain_ddp.cli_reference docs/cli.md
+    python -m raytrain_ddp.cli.reference docs/cli.md
 
 Without a path it prints the page. tests/test_docs.py fails when docs/cli.md is not what this writes,
 so a new flag or command is one edit in the code and one run of this.
@@ -74,12 +74,12 @@ def option_row(param: Any, ctx: Any) -> str:
 
 HEADER = """# Command-line reference
 
-Generated from the CLI (`raytrain_ddp/cli.py`; `raytrain run`'s options are the fields of
+Generated from the CLI (`raytrain_ddp/cli/`; `raytrain run`'s options are the fields of
 `raytrain_ddp/config.py:TrainConfig`, their docstrings the help). Do not edit: after a change to a
 command or option, regenerate it with
 
 ```bash
-python -m raytrain_ddp.cli_reference docs/cli.md
+python -m raytrain_ddp.cli.reference docs/cli.md
 ```
 
 `tests/test_docs.py` fails while this page is stale. Every command also takes `--help`.

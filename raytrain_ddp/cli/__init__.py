@@ -1,0 +1,104 @@
+"""The `raytrain` command line: flags to a TrainConfig, and bad input to one line on stderr.
+
+Every `TrainConfig` field is a flag of `raytrain run` (and of the commands that run training), with
+its docstring as the help text, so a new field is one edit in config.py. The command tree is built
+here; each command lives with its kind (commands, jobs, data, bench), and the work in the modules
+they call. This package is the only one that imports typer.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import typer
+
+from raytrain_ddp.cli.bench import data_command, overhead_command, sharded_command, startup_scale_command
+from raytrain_ddp.cli.commands import (
+    check_command,
+    export_command,
+    launch_command,
+    run_command,
+    scale_command,
+    verify_command,
+)
+from raytrain_ddp.cli.data import convert_command
+from raytrain_ddp.cli.jobs import logs_command, status_command, stop_command, submit_command
+from raytrain_ddp.cli.options import takes_debug
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.driver.run import Stopped
+from raytrain_ddp.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    one_line,
+)
+
+app = typer.Typer(
+    help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # main() turns errors into one line; --debug shows tracebacks
+)
+data_app = typer.Typer(help="Prepare datasets for training.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True)
+
+REST_IS_THE_SCRIPTS = {"allow_interspersed_args": False}
+"""launch's options end at the script, and submit's at `launch`: the words after are not theirs."""
+
+
+def add(group: typer.Typer, name: str, command: Callable[..., Any], **settings: Any) -> None:
+    """Make `command` the group's command `name`, taking --debug as every command does."""
+    group.command(name, **settings)(takes_debug(command))
+
+
+add(app, "run", run_command)
+add(app, "scale", scale_command)
+add(app, "launch", launch_command, context_settings=REST_IS_THE_SCRIPTS)
+add(app, "submit", submit_command, context_settings=REST_IS_THE_SCRIPTS)
+add(app, "status", status_command)
+add(app, "logs", logs_command)
+add(app, "stop", stop_command)
+add(app, "verify", verify_command)
+add(app, "export", export_command)
+add(app, "check", check_command)
+app.add_typer(data_app, name="data")
+add(data_app, "convert", convert_command)
+app.add_typer(bench_app, name="bench")
+add(bench_app, "overhead", overhead_command)
+add(bench_app, "data", data_command)
+add(bench_app, "startup-scale", startup_scale_command)
+add(bench_app, "sharded", sharded_command)
+
+
+def ours(argv: list[str]) -> list[str]:
+    """The part of the command line that is raytrain's: for `launch` (and `submit ... launch`) the
+    words before the script, since the script's own arguments may hold a --debug of their own."""
+    for i, word in enumerate(argv):
+        if word in ("-m", "--module") or word.endswith(".py"):
+            return argv[:i]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in ours(argv)
+    try:
+        app(args=argv, prog_name="raytrain")
+    except ConfigError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except Stopped as err:
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as err:  # a failed run: one line, not a wall of Ray internals
+        if debug:
+            raise
+        print(f"error: {one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(EXIT_FAILED)

@@ -1,0 +1,140 @@
+"""The commands that train (`run`, `scale`, `launch`) and those that look at a run or a cluster
+(`verify`, `export`, `check`): options in, one call into the driver side, an exit status out."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from raytrain_ddp.cli.options import train_options
+from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver import run as driver
+from raytrain_ddp.driver.launch import LAUNCH_FIELDS
+from raytrain_ddp.driver.startup import process_started
+from raytrain_ddp.errors import EXIT_INTERRUPTED
+
+
+@train_options
+def run_command(
+    cfg: TrainConfig,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and Ray configs; start nothing."),
+) -> None:
+    """Train a model with DDP on Ray Train: a local Ray, $RAY_ADDRESS, or --address."""
+    if dry_run:
+        driver.dry_run(cfg)
+        return
+    try:
+        summary = driver.run(cfg, launched=process_started())  # the start-up line counts our imports too
+    except KeyboardInterrupt as err:  # typer would make it a silent exit 130; driver.Interrupted says how to resume
+        print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
+        if getattr(err, "at_once", False):
+            # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
+            # and the interpreter's teardown after it crashed the process 1 time in 5 (SIGSEGV, not
+            # 130). The run's files are written; Ray ends a dead driver's job, and a local Ray with it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    final = summary["final"]
+    print(
+        f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
+        f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
+    )
+
+
+@train_options(own_flags=("workers", "strategy", "sharding"))
+def scale_command(
+    cfg: TrainConfig,
+    workers: str = typer.Option("1,2", "--workers", "-w", help="Worker counts to run, e.g. 1,2,4,8."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="Strategies to compare, e.g. ddp,fsdp (default: ddp)."),
+    sharding: Optional[str] = typer.Option(
+        None, "--sharding", help="The fsdp runs' sharding: full, grad-op or hybrid (default: full)."
+    ),
+) -> None:
+    """Run the same job at each size (and strategy); write the scaling table (CSV, Markdown) and plot (PNG)."""
+    from raytrain_ddp.driver.scale import parse_sizes, parse_strategies, scale
+
+    # own flags, not TrainConfig's: a list of strategies, and a sharding for the fsdp runs among them
+    scale(cfg, parse_sizes(workers), parse_strategies(strategy) if strategy else None, sharding)
+
+
+@train_options(only=LAUNCH_FIELDS)
+def launch_command(
+    cfg: TrainConfig,
+    script: str = typer.Argument(..., metavar="SCRIPT.py|MODULE", help="The training script (or module, with -m)."),
+    args: Optional[list[str]] = typer.Argument(None, metavar="[SCRIPT_ARGS]...", help="Passed to the script untouched."),
+    module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, as `python -m` does."),
+    show_ranks: str = typer.Option(
+        "0", "--show-ranks", help="Ranks whose output this terminal shows: 0, 0,3 or all. Every rank's goes to logs/rank-N.log."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what each rank would run and Ray's configs; start nothing."),
+    stop_grace_s: float = typer.Option(
+        30.0, "--stop-grace-s", help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
+    ),
+) -> None:
+    """Run a torchrun-style script on N Ray workers: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set.
+
+    Options go before the script; everything after it is the script's. --workers MIN:MAX is elastic:
+    every rank restarts at the new size when a node is lost or room appears. Exit status: the first
+    failing rank's, 75 when SIGTERM stopped every rank cleanly, 130 after Ctrl-C, else 0.
+    """
+    from raytrain_ddp.driver.launch import find_target, launch
+
+    target = find_target(script, module, args or [])
+    raise typer.Exit(launch(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started()))
+
+
+RUN_DIR = typer.Argument(..., help="A run directory: <storage-path>/<name>.")
+
+
+def verify_command(run_dir: Path = RUN_DIR) -> None:
+    """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
+    from raytrain_ddp.driver.verify import verify
+
+    if not verify(existing_run_dir(run_dir)):
+        raise typer.Exit(1)
+
+
+def export_command(
+    run_dir: Path = RUN_DIR,
+    to: Path = typer.Option(..., "--to", help="The file to write, e.g. model.pt."),
+) -> None:
+    """Write the latest checkpoint's model, DDP's or FSDP's, as one plain state dict for inference."""
+    from raytrain_ddp.checkpoint.export import export
+
+    print(export(existing_run_dir(run_dir), to))
+
+
+def existing_run_dir(run_dir: Path) -> Path:
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
+    return run_dir
+
+
+def check_command(
+    workers: int = typer.Option(2, "--workers", "-w", help="Ranks to test."),
+    gpu: bool = typer.Option(False, "--gpu/--cpu", help="Test GPUs with NCCL (--gpu) or CPUs with gloo."),
+    cpus_per_worker: int = typer.Option(1, "--cpus-per-worker", help="CPUs per rank."),
+    placement: str = typer.Option("spread", "--placement", help="pack or spread (spread tests the network)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address; default $RAY_ADDRESS or a local Ray."),
+    iters: int = typer.Option(10, "--iters", help="Timed all-reduces per message size."),
+    verbose: bool = typer.Option(False, "--verbose/--quiet", help="Show Ray's own logs."),
+) -> None:
+    """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
+    from raytrain_ddp.driver.cluster_check import check
+
+    # A run directory of its own each time: Ray Train refuses one that another Ray release wrote,
+    # and a fixed one in /tmp would be shared with every user of the machine.
+    with tempfile.TemporaryDirectory(prefix="raytrain-check-") as storage:
+        cfg = TrainConfig(
+            workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
+            address=address, verbose=verbose, name="raytrain-check", storage_path=storage,
+        )
+        passed = check(cfg, iters)
+    if not passed:
+        raise typer.Exit(1)

@@ -1,0 +1,97 @@
+"""Rank 0's line to the driver: a small actor on the driver's node that rank 0 tells what happens,
+and that the driver polls.
+
+Ray Train V2 keeps no metrics reported without a checkpoint, and the driver is the one process sure
+to see the user's `--storage-path`, so rank 0 sends its rows here; the driver writes the files.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+
+class Sink:
+    """Holds what rank 0 last said, and whether the driver asks to stop; MetricsSink is this as a
+    Ray actor on the driver's node.
+
+    Rank 0 calls it fire-and-forget, except for `start` and one `stop_requested` every so often.
+    """
+
+    def __init__(self) -> None:
+        self.stop_asked = False
+        self.run: dict[str, Any] = {}
+        self.last_step: dict[str, Any] | None = None
+        self.rows: dict[int, dict[str, Any]] = {}
+
+    def start(self, **run: Any) -> list[dict[str, Any]]:
+        """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
+        step, or None), the resizes its checkpoint holds, and rank 0's start-up marks (`startup`:
+        stage -> time.time()). Returns the run's resizes, which rank 0
+        adopts and saves in its checkpoints.
+
+        Only this actor sees every worker group of this driver: a restart that found no registered
+        checkpoint (a node lost while the first was being written) has nothing in its checkpoint to
+        say so, yet it is a restart. So every group after the first is one event here, from the
+        previous group's size to this one's; a resize the group found itself (its checkpoint's world
+        size differs) is that same event.
+        """
+        found = list(run.pop("resizes", None) or [])
+        marks = run.pop("startup", None)
+        if marks is not None:  # rank 0's start-up marks (startup.py): the first worker group's, as first_step_unix is
+            self.run.setdefault("startup", marks)
+        previous = self.run.get("world_size")
+        # The epoch the group starts at: rows from there on were reported by a group that died before
+        # its checkpoint was registered; they will be redone and reported again.
+        epoch, position = (run.get("resumed_at") or [1, 0])[:2]
+        self.rows = {e: row for e, row in self.rows.items() if e < epoch}
+        self.last_step = None
+        if previous is None:
+            resizes = found
+        else:
+            # Every checkpoint of this driver's groups holds a list this actor returned; an event it
+            # has not seen is the group's own for this start, from its checkpoint's world size, which
+            # need not be the size of the group just before.
+            known = self.run.get("resizes", [])
+            seen = {event["at"] for event in known}
+            own = [event for event in found if event["at"] not in seen]
+            event = {**(own[-1] if own else {"at": time.time()}), "epoch": epoch, "position": position,
+                     "from": previous, "to": run["world_size"]}
+            resizes = [*known, event]
+        self.run.update(run, resizes=resizes)  # a restarted worker group keeps the first group's first_step_unix
+        return resizes
+
+    def step(self, **update: Any) -> None:
+        self.last_step = update
+        self.run.setdefault("first_step_unix", update["at"])  # time to first step, for benchmarks
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        # Keyed by epoch: a worker group restarted after a failure reports the epoch again.
+        self.rows[row["epoch"]] = row
+        self.last_step = None
+
+    def request_stop(self) -> None:
+        """The driver got SIGUSR1/SIGTERM: the ranks checkpoint at their next agreed step and stop."""
+        self.stop_asked = True
+
+    def stop_requested(self) -> bool:
+        return self.stop_asked
+
+    def drain_saved(self, epoch: int, position: int) -> None:
+        """Ray announced a node drain (a preemption); the ranks checkpointed and train on."""
+        self.run["drain_saved"] = [epoch, position]
+
+    def profiled(self, rank: int, line: str) -> None:
+        """A rank's --profile line (profiling.py), for the driver to show."""
+        self.run.setdefault("profiles", {})[rank] = line
+
+    def stopped(self, epoch: int, step: int) -> None:
+        self.run["stopped_at"] = [epoch, step]
+
+    def poll(self) -> tuple[dict[str, Any], dict[str, Any] | None, list[dict[str, Any]]]:
+        return self.run, self.last_step, [self.rows[e] for e in sorted(self.rows)]
+
+
+MetricsSink = ray.remote(num_cpus=0)(Sink)
