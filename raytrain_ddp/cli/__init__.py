@@ -26,7 +26,7 @@ from raytrain_ddp.cli.data import convert_command
 from raytrain_ddp.cli.jobs import logs_command, status_command, stop_command, submit_command
 from raytrain_ddp.cli.options import takes_debug
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.run import Stopped
+from raytrain_ddp.driver.core import Stopped
 from raytrain_ddp.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,

@@ -14,6 +14,7 @@ import typer
 from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver import run as driver
+from raytrain_ddp.driver.cluster_check import check_cluster
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
 from raytrain_ddp.errors import EXIT_INTERRUPTED
@@ -126,8 +127,6 @@ def check_command(
     verbose: bool = typer.Option(False, "--verbose/--quiet", help="Show Ray's own logs."),
 ) -> None:
     """Cluster doctor: nodes, CPUs/GPUs, auth; all-reduce and broadcast correctness; bandwidth."""
-    from raytrain_ddp.driver.cluster_check import check
-
     # A run directory of its own each time: Ray Train refuses one that another Ray release wrote,
     # and a fixed one in /tmp would be shared with every user of the machine.
     with tempfile.TemporaryDirectory(prefix="raytrain-check-") as storage:
@@ -135,6 +134,6 @@ def check_command(
             workers=workers, gpu=gpu, cpus_per_worker=cpus_per_worker, placement=placement,
             address=address, verbose=verbose, name="raytrain-check", storage_path=storage,
         )
-        passed = check(cfg, iters)
+        passed = check_cluster(cfg, iters)
     if not passed:
         raise typer.Exit(1)

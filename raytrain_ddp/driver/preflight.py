@@ -208,9 +208,11 @@ def model_state(cfg: TrainConfig, given_model: Any = None, nodes: list[dict] | N
     from raytrain_ddp.worker import parallel
     from raytrain_ddp.worker.models import build_on_meta
 
-    model = build_on_meta(cfg, given_model, dataset_channels(cfg) or 3)
+    # What the cluster gives first, then the model: the driver's facts before the workers' code.
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
     per_node = resources.ranks_per_node(cfg, nodes or [])
+    memory = resources.gpu_mib(nodes or [], local=session.ray_address(cfg) is None) if cfg.gpu else None
+    model = build_on_meta(cfg, given_model, dataset_channels(cfg) or 3)
     mine = parallel.estimate_state_mib(model, cfg, world, per_node)
     # The other strategy, as its own run would be configured (DDP-only options dropped, not refused)
     other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full",
@@ -224,7 +226,6 @@ def model_state(cfg: TrainConfig, given_model: Any = None, nodes: list[dict] | N
         "before activations",
         file=sys.stderr,
     )
-    memory = resources.gpu_mib(nodes or [], local=session.ray_address(cfg) is None) if cfg.gpu else None
     if memory is not None and mine > memory[0] / 2:
         too_big(cfg, mine, theirs, memory)
     return mine

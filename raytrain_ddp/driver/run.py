@@ -68,6 +68,8 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     from raytrain_ddp.worker.entry import train_entry
 
     cfg = plan.cfg
+    display = Display(cfg.progress, cfg.epochs)
+    trackers = tracking.start(cfg, plan.run_dir)
     scaling, run_config, torch_config = trainer_configs(cfg)
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
     trainer = fast(TorchTrainer)(
@@ -79,9 +81,7 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
         datasets=ray_datasets(cfg),
         dataset_config=ray_data_config(cfg),
     )
-    display = Display(cfg.progress, cfg.epochs)
     announce(plan, display)
-    trackers = tracking.start(cfg, plan.run_dir)
     news = RunNews(sink, display, plan, trackers, StartupClock(launched, started, plan, RUN_STAGES))
     summary = None
     try:
