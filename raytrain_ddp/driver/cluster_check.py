@@ -7,63 +7,17 @@ group as a real run (same placement, same backend, same env), so what passes her
 from __future__ import annotations
 
 import dataclasses
-import socket
-import time
 from typing import Any
+
+from raytrain_ddp.driver.preflight import layout, wait_for_room
+from raytrain_ddp.driver.session import connect, trainer_configs
+from raytrain_ddp.errors import one_line
+from raytrain_ddp.ray_compat import fast
+from raytrain_ddp.ray_compat.state import token_auth_enabled
+from raytrain_ddp.worker.collectives import collectives_check
 
 SIZES = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
 """All-reduce message sizes in bytes for the bandwidth table: latency-bound to bandwidth-bound."""
-
-
-def collectives_check(loop_config: dict[str, Any]) -> None:
-    """Runs on every rank: correctness of all-reduce and broadcast, then timing (rank 0 reports)."""
-    import ray
-    import ray.train
-    import ray.train.torch
-    import torch
-    import torch.distributed as dist
-
-    results, sizes, iters = loop_config["results"], loop_config["sizes"], loop_config["iters"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
-    report = {"rank": rank, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address()}
-    try:
-        if not dist.is_initialized():
-            raise RuntimeError("no process group: Ray Train did not set up torch.distributed")
-        # Each rank adds rank + 1: the sum is known, and a dropped or doubled rank shows.
-        x = torch.full((1024,), float(rank + 1), device=device)
-        dist.all_reduce(x)
-        expected = world * (world + 1) / 2
-        if not torch.all(x == expected):
-            raise RuntimeError(f"all-reduce gave {x[0].item()}, expected {expected}")
-        y = torch.arange(1024, dtype=torch.float32, device=device) if rank == 0 else torch.zeros(1024, device=device)
-        dist.broadcast(y, src=0)
-        if not torch.equal(y.cpu(), torch.arange(1024, dtype=torch.float32)):
-            raise RuntimeError("broadcast from rank 0 arrived corrupted")
-        timings = []
-        for size in sizes:
-            buf = torch.ones(size // 4, device=device)
-            dist.all_reduce(buf)  # warm-up: connection setup is not bandwidth
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(buf)
-            sync(device)
-            timings.append((size, (time.perf_counter() - start) / iters))
-        report.update(ok=True, backend=dist.get_backend(), timings=timings)
-    except Exception as err:  # report which rank and node failed, then fail the group
-        report.update(ok=False, error=f"{type(err).__name__}: {err}")
-        results.put(report)
-        raise
-    results.put(report)
-
-
-def sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bus_bandwidth_gbps(size: int, seconds: float, world: int) -> float:
@@ -90,10 +44,6 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_ddp.driver.preflight import layout, wait_for_room
-    from raytrain_ddp.driver.session import connect, trainer_configs
-    from raytrain_ddp.ray_compat import fast
-    from raytrain_ddp.ray_compat.state import token_auth_enabled
 
     connect(cfg)
     print(f"Ray {ray.__version__}, token auth {'on' if token_auth_enabled() else 'OFF'}")
@@ -119,8 +69,6 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     for r in failed:
         print(f"FAIL  rank {r['rank']} on {r['host']} ({r['ip']}): {r['error']}")
     if error is not None and not failed:  # it failed before any rank could run the check
-        from raytrain_ddp.errors import one_line
-
         print(f"FAIL  starting {cfg.workers} ranks and their {cfg.resolved_backend} process group: {one_line(error)}")
     if error is not None or failed or len(reports) != cfg.workers:
         return False

@@ -13,8 +13,10 @@ import io
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.metrics import write_atomic
+from raytrain_ddp.config import STRATEGIES, ConfigError, TrainConfig
+from raytrain_ddp.driver import run as driver
+from raytrain_ddp.driver.metrics import read_csv, write_atomic
+from raytrain_ddp.driver.preflight import resolve_run
 
 COLUMNS = [
     "strategy",
@@ -34,8 +36,6 @@ COLUMNS = [
 
 
 def parse_strategies(text: str) -> list[str]:
-    from raytrain_ddp.config import STRATEGIES
-
     strategies = [part.strip() for part in text.split(",") if part.strip()]
     if not strategies or len(set(strategies)) != len(strategies) or set(strategies) - set(STRATEGIES):
         raise ConfigError(f"--strategy for scale is a list of distinct strategies like ddp,fsdp (got {text!r})")
@@ -138,10 +138,6 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
     """Run each strategy (default cfg's) at each size, then write and print the table; returns the
     study's directory. The strategies take turns at each size, so a machine that slows down over the
     study slows them alike. `sharding` (default cfg's) is the fsdp runs'."""
-    from raytrain_ddp.driver import run as driver
-    from raytrain_ddp.driver.preflight import resolve_run
-    from raytrain_ddp.driver.metrics import read_csv
-
     strategies = strategies or [cfg.strategy]
     if sharding and "fsdp" not in strategies:
         raise ConfigError(f"--sharding {sharding} is for the fsdp runs; add fsdp to --strategy (e.g. ddp,fsdp)")
