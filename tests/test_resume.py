@@ -16,6 +16,7 @@ from raytrain_ddp.checkpoint import compat as resume
 from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, latest_checkpoint
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.driver.preflight import check_parts
 from raytrain_ddp.worker.models import convnet
 
 CFG = TrainConfig(name="r", epochs=3)
@@ -100,25 +101,25 @@ def test_the_batch_may_change_under_an_unchanged_global_batch():
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
     write_run(tmp_path, "checkpoint_a", saved(in_channels=1))  # saved from a 1-channel model (MNIST)
-    assert resume.check_resume(CFG, tmp_path) == []  # the model is built with the checkpoint's in_channels: it fits
+    assert check_parts(CFG, tmp_path, {}, dry=True)[1] == []  # the model is built with the checkpoint's in_channels: it fits
     info = saved()
     info["model_shapes"]["5.weight"] = [10, 64]
     (tmp_path / "checkpoint_a" / RESUME_INFO).write_text(json.dumps(info))
     with pytest.raises(ConfigError, match=r"does not fit --model convnet .*5\.weight is \[10, 64\] there, "
                                           r"\[10, 128\] here; pass --no-resume"):
-        resume.check_resume(CFG, tmp_path)
-    assert resume.check_resume(dataclasses.replace(CFG, resume=False), tmp_path) == []  # --no-resume checks nothing
+        check_parts(CFG, tmp_path, {}, dry=True)
+    assert check_parts(dataclasses.replace(CFG, resume=False), tmp_path, {}, dry=True)[1] == []  # --no-resume checks nothing
 
 
 def test_a_checkpoint_without_resume_info_resumes_unchecked(tmp_path):
     write_run(tmp_path, "checkpoint_old", None)
-    [line] = resume.check_resume(dataclasses.replace(CFG, seed=7), tmp_path)
+    [line] = check_parts(dataclasses.replace(CFG, seed=7), tmp_path, {}, dry=True)[1]
     assert "checkpoint_old predates resume.json" in line and "without compatibility checks" in line
 
 
 def test_a_model_that_is_no_module_is_refused_on_a_fresh_run(tmp_path):
     with pytest.raises(ConfigError, match="--model __main__:<lambda> returned a dict, not a torch.nn.Module"):
-        resume.check_resume(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, lambda **_: {})
+        check_parts(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, {"model": lambda **_: {}}, dry=True)
 
 
 # --- end to end: one real run, then two reruns of its --name ---

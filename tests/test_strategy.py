@@ -225,21 +225,23 @@ T4_NODES = [{"CPU": 16.0, "GPU": 4.0, "accelerator_type:T4": 1.0}] * 2
 def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
     from raytrain_ddp.driver.preflight import model_state as state_preflight
     from raytrain_ddp.config import ConfigError
+    from raytrain_ddp.worker.models import build_on_meta
 
     # an address, so a GPU on the machine running the test is not taken for the cluster's
     big = {"model": "mine:huge", "optimizer": "adamw", "gpu": True, "workers": 8, "address": "10.0.0.1:6379"}
+    model = build_on_meta(TrainConfig(**big), huge, 3)
     with pytest.raises(ConfigError, match=r"ddp needs about 20\.0 GiB per GPU for the model state alone, more than the "
                                           r"16\.0 GiB of the cluster's T4 GPUs; pass --strategy fsdp \(about 2\.5 GiB per rank at 8 ranks\)$"):
-        state_preflight(TrainConfig(**big), huge, T4_NODES)
-    state_preflight(TrainConfig(**big, strategy="fsdp"), huge, T4_NODES)  # an eighth each: it fits
+        state_preflight(TrainConfig(**big), model, T4_NODES)
+    state_preflight(TrainConfig(**big, strategy="fsdp"), model, T4_NODES)  # an eighth each: it fits
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "model state: 1342.2M parameters; with their gradients and adamw state about 2.5 GiB per rank under "
         "--strategy fsdp --sharding full at 8 ranks (ddp: 20.0 GiB), before activations")
     with pytest.raises(ConfigError, match=r"fsdp --sharding full needs about 20\.0 GiB .*; add --workers"):
-        state_preflight(TrainConfig(**{**big, "workers": 1}, strategy="fsdp"), huge, T4_NODES)  # one rank holds it all
-    state_preflight(TrainConfig(**{**big, "optimizer": "sgd", "momentum": 0.0}), huge, T4_NODES)  # 10 of 16 GiB
+        state_preflight(TrainConfig(**{**big, "workers": 1}, strategy="fsdp"), model, T4_NODES)  # one rank holds it all
+    state_preflight(TrainConfig(**{**big, "optimizer": "sgd", "momentum": 0.0}), model, T4_NODES)  # 10 of 16 GiB
     assert "warning: the model state, about 10.0 GiB per GPU, leaves less than half" in capsys.readouterr().err
-    state_preflight(TrainConfig(**big), huge, [{"CPU": 16.0, "GPU": 4.0}])  # a GPU of unknown size: the line only
+    state_preflight(TrainConfig(**big), model, [{"CPU": 16.0, "GPU": 4.0}])  # a GPU of unknown size: the line only
     assert "about 20.0 GiB per rank under --strategy ddp at 8 ranks" in capsys.readouterr().err
 
 

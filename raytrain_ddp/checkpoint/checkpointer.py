@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray.train
 import torch
@@ -19,7 +19,21 @@ from torch import nn
 from raytrain_ddp.checkpoint import io, state_dicts
 from raytrain_ddp.checkpoint.rng import set_rng_states
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.worker.state import TrainState
+
+
+class TrainingState(Protocol):
+    """What a checkpoint needs of the loop's state (worker/state.py's TrainState), as torchtitan's
+    Stateful: so checkpointing sits below the worker loop that uses it, and never imports it."""
+
+    epoch: int
+    position: int
+    train_size: int
+    world_size: int
+    schedule: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, saved: dict[str, Any], rank: int) -> None: ...
 
 
 @dataclass
@@ -36,7 +50,7 @@ class Checkpointer:
     scaler: torch.amp.GradScaler
 
     def save(
-        self, state: TrainState, step: int | None = None, force: bool = False, metrics: dict[str, Any] | None = None,
+        self, state: TrainingState, step: int | None = None, force: bool = False, metrics: dict[str, Any] | None = None,
     ) -> bool:
         """Save `state` with the model's, if a checkpoint is due where the pass's optimizer step `step`
         (counted from 1) ends: every --checkpoint-every-steps steps, or when `force`d (a stop, a node
@@ -57,7 +71,7 @@ class Checkpointer:
         io.save(metrics, self.rank, shared, info, shards)
         return True
 
-    def resume_info(self, state: TrainState, model_state: dict[str, Any]) -> dict[str, Any]:
+    def resume_info(self, state: TrainingState, model_state: dict[str, Any]) -> dict[str, Any]:
         """RESUME_INFO: what the driver checks a rerun against, in milliseconds and without torch."""
         return {
             "config": self.cfg.to_dict(), "epoch": state.epoch, "position": state.position,
@@ -66,7 +80,7 @@ class Checkpointer:
             "schedule": state.schedule._asdict(),
         }
 
-    def restore(self, state: TrainState) -> bool:
+    def restore(self, state: TrainingState) -> bool:
         """Load the latest checkpoint, if any, into the model, optimizer, scaler, RNG streams and
         `state`; False when there is none. The hyperparameters a rerun may change (--lr, --momentum,
         --weight-decay, --epochs; the driver checked the rest) are this run's, not the checkpoint's.

@@ -1,11 +1,11 @@
 """Does the latest checkpoint of <storage-path>/<name> fit this request? Asked on the driver, in
-seconds, before any worker starts; and whether --model builds an nn.Module at all.
+seconds, before any worker starts.
 
 Rank 0 writes RESUME_INFO into every checkpoint (checkpointer.py): the resolved config that saved
 it, where it stands, and the model's state-dict shapes. A change that alters what the saved position
 means is refused in one line; a safe one is applied, one line per key; the rest (how the run runs,
-not what it trains) goes through silently. No Ray here, and torch only inside check_resume, to build
-the model on the meta device, which allocates nothing.
+not what it trains) goes through silently. No Ray and no torch here: the preflight builds the model on
+the meta device, once, and hands it in.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from raytrain_ddp import plugins
 from raytrain_ddp.checkpoint.files import FRESH, RESUME_INFO, latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig
 
@@ -137,25 +136,21 @@ def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run
         )
 
 
-def check_resume(cfg: TrainConfig, run_dir: Path, given_model: Callable[..., Any] | None = None) -> list[str]:
-    """Every driver-side check of a (re)start: the lines to print, or ConfigError.
-
-    With cfg.resume and a registered checkpoint in run_dir: the config compared, and the model
-    checked against the checkpoint's shapes. A model of the user's is built (on meta) on every run,
-    fresh too, so one that returns no nn.Module is refused here and not by rank 0 after a start."""
-    # torch (the model on meta, and the datasets' registry) only here: the driver imports this module
-    from raytrain_ddp.data.registry import dataset_channels
-    from raytrain_ddp.worker.models import build_on_meta
-
-    run = cfg.name or run_dir.name
+def resume_point(cfg: TrainConfig, run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """(the checkpoint a resume starts from, its RESUME_INFO): no checkpoint under --no-resume or
+    before the first is registered; no info for one saved before checkpoints carried it."""
     checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
-    saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
+    return checkpoint_dir, read_info(checkpoint_dir) if checkpoint_dir is not None else None
+
+
+def check_resume(cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, model: Any) -> list[str]:
+    """A (re)start's fit with its checkpoint (resume_point): the lines to print, or ConfigError.
+    The config is compared, and `model`, built on the meta device with the checkpoint's
+    in_channels, checked against the checkpoint's shapes."""
     if saved is not None:
-        lines = compare(saved, cfg, run)
-        check_shapes(build_on_meta(cfg, given_model, saved["in_channels"]), saved["model_shapes"], cfg, run)
+        lines = compare(saved, cfg, cfg.name)
+        check_shapes(model, saved["model_shapes"], cfg, cfg.name)
         return lines
-    if given_model is not None or plugins.is_import_path(cfg.model):
-        build_on_meta(cfg, given_model, dataset_channels(cfg) or 3)  # only its type matters here
     if checkpoint_dir is not None:
         return [f"resume: {checkpoint_dir.name} predates {RESUME_INFO}; resuming without compatibility checks"]
     return []

@@ -116,10 +116,10 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
     if dry_run:
-        cfg, run_dir, _, _ = preflight.check_request(cfg, trains=False)
-        scaling, run_config, _ = trainer_configs(dataclasses.replace(cfg, **choose_layout(cfg, [])._asdict()))
-        print(f"each of {RunPlan(cfg, run_dir).world} ranks runs: python {' '.join(target.argv(shared=True))}")
-        print(f"run directory: {run_dir}\n{scaling}\n{run_config}")
+        checked = preflight.check_request(cfg, trains=False)
+        scaling, run_config, _ = trainer_configs(dataclasses.replace(checked.cfg, **choose_layout(checked.cfg, [])._asdict()))
+        print(f"each of {checked.world} ranks runs: python {' '.join(target.argv(shared=True))}")
+        print(f"run directory: {checked.run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
     with Signals() as signals:  # from here on, a SIGTERM is ours: remembered, then forwarded

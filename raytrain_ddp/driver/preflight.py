@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import plugins, ray_compat
+from raytrain_ddp.checkpoint.compat import check_resume
+from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver import resources, session
+from raytrain_ddp.driver import resources, session, tracking
 from raytrain_ddp.driver.resources import size
 
 
@@ -35,9 +37,17 @@ class RunPlan:
     """The Python API's model and dataset callables, sent to the ranks by value (none from the CLI)."""
     resume_lines: tuple[str, ...] = ()
     """What a resume applies from this request to the checkpoint's run, one line each (printed)."""
+    model: Any = None
+    """--model built on the meta device (shapes, no memory): what the resume and the state estimate
+    were checked against; None where the command trains no model of ours (launch)."""
+    code: dict[str, tuple[Path, Path]] = field(default_factory=dict)
+    """The user's --model/--dataset import paths, each with its module's file and the sys.path
+    directory it was imported from here: where the workers import it from, or what is shipped."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step at --workers ranks (TrainConfig.accum_steps), announced."""
     state_mib: float | None = None
     """About how much model state (parameters, gradients, optimizer state) each rank holds; None
-    where the command trains no model of ours (launch)."""
+    where the command trains no model of ours (launch), or before the cluster is known."""
     marks: dict[str, float] = field(default_factory=dict)
     """When each of the driver's start-up stages ended (startup.py), as time.time()."""
 
@@ -56,64 +66,71 @@ def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bo
     """Check the request, connect to Ray, and fit it to the cluster (--wait-for-resources waits
     that long for room first). `trains`: the command trains our loop (run), not a script of the
     user's (launch), so the model, data, trackers and resume are checked too."""
-    cfg, run_dir, given, resume_lines = check_request(cfg, model, dataset, trains=trains)
+    checked = check_request(cfg, model, dataset, trains=trains)
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
         print(without, file=sys.stderr)  # a launched script has no drain notices of ours
-    if trains and not cfg.resume:
-        start_fresh(run_dir)
-    check_writable(run_dir)
+    if trains and not checked.cfg.resume:
+        start_fresh(checked.run_dir)
+    check_writable(checked.run_dir)
     marks = {"checks": time.time()}
-    session.connect(cfg)
+    session.connect(checked.cfg)
     marks["connect"] = time.time()
-    nodes, free_cpus = wait_for_room(cfg)
-    cfg = dataclasses.replace(cfg, **layout(cfg, nodes, free_cpus))
-    state_mib = model_state(cfg, given.get("model"), nodes) if trains else None
+    nodes, free_cpus = wait_for_room(checked.cfg)
+    cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus))
+    state_mib = model_state(cfg, checked.model, nodes) if trains else None
     marks["placement"] = time.time()
-    return RunPlan(cfg, run_dir, given, resume_lines, state_mib, marks)
+    return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model, checked.code,
+                   checked.accum_steps, state_mib, marks)
 
 
 def check_request(
     cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bool = True, dry: bool = False,
-) -> tuple[TrainConfig, Path, dict[str, Callable[..., Any]], tuple[str, ...]]:
+) -> RunPlan:
     """Every check that needs no Ray, in seconds: the Ray features the request needs, and for a
-    command that trains --model (it imports and builds an nn.Module), --dataset and its files, the
-    trackers' packages, and a resume's fit with its checkpoint. Returns cfg with its name, absolute
-    storage path and the Python API's model and dataset, the run directory, the callables to send
-    by value, and the resume's lines (printed)."""
+    command that trains the trackers' packages, --model (built once, on the meta device), a resume's
+    fit with its checkpoint, and --dataset and its files. Returns the plan before the cluster's part:
+    cfg with its name, absolute storage path and the Python API's model and dataset, the run
+    directory, the callables to send by value, the resume's lines (printed) and the model on meta."""
     if cfg.elastic:
         ray_compat.require("elastic")
-    given: dict[str, Callable[..., Any]] = {}
-    if trains:
-        cfg, given = user_parts(cfg, model, dataset, dry)
+    if not trains:
+        return RunPlan(*resolve_run(cfg))
+    cfg, given = user_parts(cfg, model, dataset)
+    tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
-    lines: tuple[str, ...] = ()
-    if trains:
-        from raytrain_ddp.checkpoint.compat import check_resume
-
-        lines = tuple(check_resume(cfg, run_dir, given.get("model")))
+    meta, lines = check_parts(cfg, run_dir, given, dry)
     for line in lines:
         print(line, file=sys.stderr)
-    return cfg, run_dir, given, lines
+    # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
+    code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
+    return RunPlan(cfg, run_dir, given, tuple(lines), meta, code, cfg.accum_steps(cfg.workers))
 
 
-def user_parts(cfg: TrainConfig, model: Any, dataset: Any, dry: bool) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
-    """The model, dataset and trackers the run will use, each checked here: a name, an import path
-    or (the Python API) a callable, which then travels to the ranks by value."""
-    from raytrain_ddp.data.registry import validate
-    from raytrain_ddp.driver import tracking
-    from raytrain_ddp.worker.models import model_builder
-
+def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
+    """The model and dataset the run will use: a name, an import path or (the Python API) a
+    callable, which then travels to the ranks by value."""
     (model_spec, model_fn), (data_spec, data_fn) = plugins.as_spec(model, "model"), plugins.as_spec(dataset, "dataset")
     cfg = dataclasses.replace(cfg, model=model_spec or cfg.model, dataset=data_spec or cfg.dataset)
-    given = {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
-    if "model" not in given:
-        model_builder(cfg.model)  # an unknown name or a broken import path fails here, in one line
+    return cfg, {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
+
+
+def check_parts(cfg: TrainConfig, run_dir: Path, given: dict[str, Callable[..., Any]], dry: bool) -> tuple[Any, list[str]]:
+    """--model, built once on the meta device, which proves that it imports and returns an
+    nn.Module, with the channels of the checkpoint it resumes from, else of --dataset; --dataset and
+    its files (unless the Python API gave a callable: the user's to check); and the resume's lines,
+    its checkpoint's config and shapes checked against this request (checkpoint/compat.py)."""
+    # torch (the model on meta, the datasets' registry) only here: every command imports this module
+    from raytrain_ddp.data.registry import dataset_channels, validate
+    from raytrain_ddp.worker.models import build_on_meta
+
+    checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
+    saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
+    model = build_on_meta(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3)
     if dry and cfg.download and "dataset" not in given:
         print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
     elif "dataset" not in given:
         validate(cfg)
-    tracking.check_installed(cfg)
-    return cfg, given
+    return model, check_resume(cfg, checkpoint_dir, saved, model)
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
@@ -198,21 +215,18 @@ def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int]) -> dict[st
     return chosen._asdict()
 
 
-def model_state(cfg: TrainConfig, given_model: Any = None, nodes: list[dict] | None = None) -> float:
+def model_state(cfg: TrainConfig, model: Any, nodes: list[dict] | None = None) -> float:
     """Say, in one line, about how much model state (parameters, gradients, optimizer state) each
-    rank will hold, under this strategy and the other, from the model built on the meta device; and
-    return this strategy's. With --gpu, refuse a run whose state alone exceeds the GPU memory, and
-    warn when it takes over half of it (activations need the rest), naming --strategy fsdp. `nodes`
-    None: no cluster yet (--dry-run); then only a local GPU is looked at."""
-    from raytrain_ddp.data.registry import dataset_channels
+    rank will hold, under this strategy and the other, from `model` on the meta device (check_model);
+    and return this strategy's. With --gpu, refuse a run whose state alone exceeds the GPU memory,
+    and warn when it takes over half of it (activations need the rest), naming --strategy fsdp.
+    `nodes` None: no cluster yet (--dry-run); then only a local GPU is looked at."""
     from raytrain_ddp.worker import parallel
-    from raytrain_ddp.worker.models import build_on_meta
 
     # What the cluster gives first, then the model: the driver's facts before the workers' code.
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
     per_node = resources.ranks_per_node(cfg, nodes or [])
     memory = resources.gpu_mib(nodes or [], local=session.ray_address(cfg) is None) if cfg.gpu else None
-    model = build_on_meta(cfg, given_model, dataset_channels(cfg) or 3)
     mine = parallel.estimate_state_mib(model, cfg, world, per_node)
     # The other strategy, as its own run would be configured (DDP-only options dropped, not refused)
     other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full",

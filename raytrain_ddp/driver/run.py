@@ -30,8 +30,9 @@ RESUME_HINT = "run the same command again (same --storage-path and --name {name}
 
 def dry_run(cfg: TrainConfig) -> None:
     """Every check that needs no cluster, then the resolved config and Ray Train's configs; start nothing."""
-    cfg, run_dir, given, _ = preflight.check_request(cfg, dry=True)
-    preflight.model_state(cfg, given.get("model"))  # with --gpu checked against a local GPU only
+    checked = preflight.check_request(cfg, dry=True)
+    cfg, run_dir = checked.cfg, checked.run_dir
+    preflight.model_state(cfg, checked.model)  # with --gpu checked against a local GPU only
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
@@ -50,7 +51,7 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     started = time.time()
     with Signals() as signals:
         plan = preflight.plan(cfg, model, dataset)
-        code_paths, code_env = user_code(plan.cfg)
+        code_paths, code_env = user_code(plan.code)
         ship_code(plan.cfg, code_env)
         signals.install()  # again: ray.init put its own SIGTERM handler in
         if signals.received:  # before any rank started: nothing to stop, nothing lost
@@ -101,7 +102,7 @@ def announce(plan: RunPlan, display: Display) -> None:
     """The run's first lines: who trains where, and the global batch when micro-batches accumulate."""
     cfg = plan.cfg
     display.print(f"run {cfg.name}: {plan.world} {cfg.resolved_backend} workers -> {plan.run_dir}")
-    accum = cfg.accum_steps(cfg.workers)
+    accum = plan.accum_steps
     if accum > 1:
         display.print(
             f"global batch {cfg.batch_size * cfg.workers * accum} = --batch-size {cfg.batch_size} x "

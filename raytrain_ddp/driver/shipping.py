@@ -98,13 +98,11 @@ def place(probe: Path, directory: Path) -> Placement:
     return Placement(directory, nodes=len(nodes), lacking=sum(f != want for f in found))
 
 
-def user_code(cfg: TrainConfig) -> tuple[list[str], dict[str, Any]]:
+def user_code(code: dict[str, tuple[Path, Path]]) -> tuple[list[str], dict[str, Any]]:
     """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
-    that ship them), after importing each here first so a broken one fails in one line."""
-    from raytrain_ddp import plugins
-
-    specs = [s for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")]
-    sources = {plugins.source(s) for s in specs}
+    that ship them), from `code`: each import path with its module's file and the directory it was
+    imported from on the driver (RunPlan.code)."""
+    specs, sources = list(code), set(code.values())
     roots = {root for _, root in sources}
     placements = [place(file, root) for file, root in sources]
     if all(p.shared for p in placements):
