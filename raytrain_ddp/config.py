@@ -150,6 +150,11 @@ class TrainConfig:
     fresh, moving the old run directory aside)."""
     max_failures: int = 0
     """Worker-group failures (a dead node, a killed worker) to recover from the latest checkpoint."""
+    stall_timeout: float | None = None
+    """Seconds without a finished training step (validation and checkpoints not counted) after which
+    the run is stalled: the driver dumps every rank's Python stack to <run dir>/stall/, names the rank
+    that is not where the others wait, and fails the run at once instead of waiting out the collective
+    timeout. Default: the longer of 120 s and 10x the slowest recent step; 0 turns the watch off."""
 
     # --- run identity and outputs ---
     storage_path: str = "./runs"
@@ -207,6 +212,8 @@ class TrainConfig:
             raise ConfigError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing})")
         if self.max_workers is not None and self.max_workers < self.workers:
             raise ConfigError(f"--workers {self.workers}:{self.max_workers} has MAX below MIN; swap them")
+        if self.stall_timeout is not None and not (0 <= self.stall_timeout < math.inf):
+            raise ConfigError(f"--stall-timeout must be 0 (off) or a number of seconds (got {self.stall_timeout})")
         if self.resize_check_s <= 0:
             raise ConfigError(f"--resize-check-s must be positive (got {self.resize_check_s})")
         if self.global_batch_size is not None:

@@ -56,8 +56,7 @@ class Checkpointer:
         (counted from 1) ends: every --checkpoint-every-steps steps, or when `force`d (a stop, a node
         drain, an epoch's end). Every rank calls it at the same step. Ray records `metrics` with it:
         the epoch's row at its end, else where the run stands. Returns whether it saved."""
-        every = self.cfg.checkpoint_every_steps
-        if not (force or (every > 0 and step is not None and step % every == 0)):
+        if not self.due(step, force):
             return False
         training = state.state_dict()  # on every rank: its running sums are all-reduced
         # DDP: rank 0 saves the whole model and optimizer state; FSDP: every rank its own shards
@@ -70,6 +69,11 @@ class Checkpointer:
         metrics = metrics if metrics is not None else {"epoch": state.epoch, "position": state.position}
         io.save(metrics, self.rank, shared, info, shards)
         return True
+
+    def due(self, step: int | None = None, force: bool = False) -> bool:
+        """Whether save(state, step, force) would save."""
+        every = self.cfg.checkpoint_every_steps
+        return force or (every > 0 and step is not None and step % every == 0)
 
     def resume_info(self, state: TrainingState, model_state: dict[str, Any]) -> dict[str, Any]:
         """RESUME_INFO: what the driver checks a rerun against, in milliseconds and without torch."""

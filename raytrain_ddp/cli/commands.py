@@ -17,7 +17,8 @@ from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
-from raytrain_ddp.errors import EXIT_INTERRUPTED
+from raytrain_ddp.driver.stall import Stalled
+from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED
 
 
 @train_options
@@ -41,6 +42,11 @@ def run_command(
             sys.stderr.flush()
             os._exit(EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
+        print(f"error: {err}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "

@@ -21,6 +21,7 @@ from raytrain_ddp.driver.progress import Display
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
+from raytrain_ddp.driver.stall import StallWatch
 from raytrain_ddp.driver.startup import RUN_STAGES
 
 POLL_S = 0.5
@@ -177,10 +178,14 @@ class RunNews:
         self.tensorboard = tensorboard_writer(plan.run_dir) if plan.cfg.tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
+        self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print)
+        self.stalled: BaseException | None = None
 
     def poll(self) -> None:
         import ray
 
+        if self.stalled is not None:  # the core's last poll, after the stall ended the watch
+            raise self.stalled
         info, step, rows = ray.get(self.sink.poll.remote())
         if rows != self.rows:
             self.new_rows(rows)
@@ -191,6 +196,11 @@ class RunNews:
             self.display.print(line)
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
+        try:
+            self.stall.check(info.get("ranks", []))
+        except Exception as err:
+            self.stalled = err
+            raise
 
     def new_rows(self, rows: list[dict[str, Any]]) -> None:
         write_csv(self.run_dir / "metrics.csv", rows)

@@ -25,6 +25,11 @@ class Sink:
         self.run: dict[str, Any] = {}
         self.last_step: dict[str, Any] | None = None
         self.rows: dict[int, dict[str, Any]] = {}
+        self.beat: float | None = None
+        """When (this actor's clock) rank 0 last said a step finished, or left a validation or
+        checkpoint phase; None before the first step of a worker group, and during those phases."""
+        self.beat_gaps: list[float] = []
+        """The latest seconds between beats: the stall watch's measure of a slow step (stall.py)."""
 
     def start(self, **run: Any) -> list[dict[str, Any]]:
         """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
@@ -47,7 +52,7 @@ class Sink:
         # its checkpoint was registered; they will be redone and reported again.
         epoch, position = (run.get("resumed_at") or [1, 0])[:2]
         self.rows = {e: row for e, row in self.rows.items() if e < epoch}
-        self.last_step = None
+        self.last_step, self.beat = None, None  # the stall watch starts again at this group's first step
         if previous is None:
             resizes = found
         else:
@@ -65,12 +70,25 @@ class Sink:
 
     def step(self, **update: Any) -> None:
         self.last_step = update
+        now = time.time()
+        if self.beat is not None:
+            self.beat_gaps = [*self.beat_gaps[-19:], now - self.beat]
+        self.beat = now
         self.run.setdefault("first_step_unix", update["at"])  # time to first step, for benchmarks
 
     def epoch(self, row: dict[str, Any]) -> None:
         # Keyed by epoch: a worker group restarted after a failure reports the epoch again.
         self.rows[row["epoch"]] = row
         self.last_step = None
+
+    def phase(self, name: str | None) -> None:
+        """Rank 0 entered a phase that is no training step ("validation", "checkpoint"), or left it
+        (None): the stall watch does not count the time inside."""
+        self.beat = None if name else time.time()
+
+    def quiet(self) -> tuple[float | None, list[float]]:
+        """Seconds since the last beat (None: no step yet, or inside a phase), and the latest gaps between beats."""
+        return (None if self.beat is None else time.time() - self.beat), self.beat_gaps
 
     def request_stop(self) -> None:
         """The driver got SIGUSR1/SIGTERM: the ranks checkpoint at their next agreed step and stop."""

@@ -233,7 +233,10 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
         set_lr(run.optimizer, cfg.lr * lr_factor(state.schedule, state.samples, cfg.scheduler))
         apply_gradients(run.model, run.optimizer, run.scaler, cfg.clip_grad_norm)
         state.train_time += clock.lap()
-        if run.checkpointer.save(state, opt_step, force=control.stopping or control.drain_news):
+        if run.checkpointer.due(opt_step, force=control.stopping or control.drain_news):
+            tell_phase(run, "checkpoint")
+            run.checkpointer.save(state, opt_step, force=True)
+            tell_phase(run, None)
             clock.lap()  # the checkpoint is no training time
             if stopped_after_save(run, state, control, done + last):
                 return True
@@ -262,6 +265,13 @@ def show_progress(run: Setup, state: TrainState, clock: Clock, loss: torch.Tenso
     )
 
 
+def tell_phase(run: Setup, name: str | None) -> None:
+    """Rank 0 tells the driver's stall watch it enters (or leaves, None) a phase that is no
+    training step: validation, a checkpoint. Fire-and-forget."""
+    if run.rank == 0:
+        run.sink.phase.remote(name)
+
+
 def stopped_after_save(run: Setup, state: TrainState, control: Control, step: int) -> bool:
     """After a checkpoint inside a pass: tell the driver a drain was answered, and stop if agreed."""
     if control.drain_news and run.rank == 0:
@@ -276,6 +286,7 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
     """The pass's last agreement, validation, the epoch's row (to the driver, and into the checkpoint)
     and the checkpoint at its end; True if the ranks agreed to stop after it."""
     cfg = run.cfg
+    tell_phase(run, "validation")
     stop = control.at_epoch_end(state.epoch, clock.start)
     train = all_reduce_means(state.sums)
     val = evaluate(run.model, run.loaders.val, run.device, run.amp_dtype)
@@ -290,6 +301,7 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
         run.sink.epoch.remote(row)
     state.next_epoch()
     run.checkpointer.save(state, force=True, metrics=row)
+    tell_phase(run, None)
     if stop and state.epoch <= cfg.epochs:
         if run.rank == 0:
             run.sink.stopped.remote(epoch=state.epoch, step=0)

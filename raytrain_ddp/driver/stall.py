@@ -1,0 +1,219 @@
+"""`raytrain run`'s stall watch: when no rank has finished a training step for --stall-timeout
+seconds, dump every rank's Python stack with py-spy, say where each rank is and which one the others
+wait for, end the ranks and fail the run, instead of waiting out the collective's timeout (30 min).
+
+A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, and
+the ends of validation and checkpoints, which are not stalls). Under DDP rank 0 cannot finish a step
+while any rank is stuck, so its silence is the world's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+MIN_STALL_S = 120.0
+"""The default stall timeout's floor: a first epoch's loader start or a slow step is no stall."""
+SLOW_STEPS = 10
+"""... and the default is at least this many of the slowest recent gaps between steps."""
+PY_SPY_TIMEOUT_S = 20.0
+"""Seconds one py-spy dump may take (it pauses the rank a few milliseconds)."""
+OURS = "raytrain_ddp/"
+STDLIB = re.compile(r"/lib/python3\.\d+/(?!site-packages|dist-packages)|^<")
+"""A frame of the interpreter's own library (threading.py), or of no file (<frozen ...>, <string>)."""
+FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>.+):(?P<line>\d+)\)\s*$")
+"""One frame of `py-spy dump`: `    Event.wait (/usr/lib/python3.11/threading.py:629)`."""
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list",
+    "barrier", "monitored_barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "gather",
+    "scatter", "send", "recv", "wait",
+}
+"""torch.distributed's functions that wait for the other ranks."""
+
+
+class Stalled(RuntimeError):
+    """No rank finished a step for the stall timeout. The ranks were ended; fit() may still be
+    blocked in Ray, so the CLI exits at once (os._exit) instead of waiting for it."""
+
+    at_once = True
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank's stack stands."""
+
+    frame: str
+    """The innermost frame in the user's code or ours (not torch's or Ray's): `file:line in func`."""
+    collective: str | None
+    """The collective it waits in, or None."""
+
+
+def stall_limit(timeout: float | None, gaps: list[float]) -> float | None:
+    """The seconds of silence that make a stall: --stall-timeout, or by default the longer of 2
+    minutes and 10 of the slowest recent steps; None when the watch is off (0)."""
+    if timeout == 0:
+        return None
+    return timeout if timeout is not None else max(MIN_STALL_S, SLOW_STEPS * max(gaps, default=0.0))
+
+
+class StallWatch:
+    """Asks the sink how long rank 0 has been silent, and diagnoses a stall once."""
+
+    def __init__(self, sink: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None]) -> None:
+        self.sink, self.timeout, self.run_dir, self.say = sink, timeout, Path(run_dir), say
+
+    def check(self, ranks: list[dict[str, Any]]) -> None:
+        """Raise Stalled, after the diagnosis, when the run is stalled."""
+        if self.timeout == 0 or not ranks:
+            return
+        import ray
+
+        quiet, gaps = ray.get(self.sink.quiet.remote())
+        limit = stall_limit(self.timeout, gaps)
+        if quiet is None or limit is None or quiet < limit:
+            return
+        raise diagnose(ranks, quiet, self.run_dir, self.say)
+
+
+def diagnose(ranks: list[dict[str, Any]], quiet: float, run_dir: Path, say: Callable[[str], None]) -> Stalled:
+    """Dump every rank's stack to <run dir>/stall/rankN.txt, say where each is, end the ranks, and
+    return the error that names the rank the others wait for."""
+    folder = run_dir / "stall"
+    folder.mkdir(parents=True, exist_ok=True)
+    stacks = dump_stacks(ranks)
+    places = []
+    say(f"stalled: no rank finished a training step for {quiet:.0f} s; every rank's stack -> {folder}")
+    for rank, (where, text) in enumerate(zip(ranks, stacks)):
+        (folder / f"rank{rank}.txt").write_text(text)
+        place = read_place(text)
+        places.append(place)
+        waits = f"waits in {place.collective}" if place.collective else "waits in no collective"
+        say(f"  rank {rank} on {where['hostname']} pid {where['pid']}: {place.frame}; {waits}")
+    end_ranks(ranks)
+    return Stalled(verdict(ranks, places, quiet, folder))
+
+
+def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float, folder: Path) -> str:
+    """The one line: which rank(s) are not where the others wait, and where they are."""
+    culprits = culprit_ranks(places)
+    head = f"the run stalled (no training step for {quiet:.0f} s)"
+    if not culprits:
+        return f"{head}, and no rank stands apart from the others; see the stacks in {folder}"
+    others = Counter(p.collective for p in places).most_common(1)[0][0]
+    named = "; ".join(f"rank {r} ({ranks[r]['hostname']} pid {ranks[r]['pid']}) is at {places[r].frame}" for r in culprits)
+    return f"{head}: {named}, while the others wait in {others}; stacks in {folder}"
+
+
+def culprit_ranks(places: list[Place]) -> list[int]:
+    """The ranks not in the collective most ranks wait in: those in none, when some wait; else
+    those in another one. None when no rank waits, or all wait in the same."""
+    waiting = Counter(p.collective for p in places if p.collective)
+    if not waiting:
+        return []
+    common = waiting.most_common(1)[0][0]
+    return [rank for rank, p in enumerate(places) if p.collective != common]
+
+
+def read_place(text: str) -> Place:
+    """Where a `py-spy dump` says the rank's training thread is (the thread running our loop)."""
+    threads = [[FRAME.match(line) for line in block.splitlines()[1:]] for block in re.split(r"^Thread ", text, flags=re.M)[1:]]
+    threads = [[m for m in frames if m] for frames in threads]
+    loop = [frames for frames in threads if any(OURS + "worker/" in m["file"] for m in frames)]
+    frames = (loop or threads or [[]])[0]
+    if not frames:
+        return Place("no Python stack (py-spy failed, see the rank's file)", None)
+    own = next((m for m in frames if is_ours(m["file"])), frames[0])
+    return Place(f"{own['file']}:{own['line']} in {own['func']}", collective_of(frames))
+
+
+def is_ours(file: str) -> bool:
+    """A frame of the user's code or of ours: not torch's, Ray's or the interpreter's."""
+    if OURS in file:
+        return True
+    return not STDLIB.search(file) and "site-packages" not in file and "dist-packages" not in file
+
+
+def collective_of(frames: list[re.Match[str]]) -> str | None:
+    """The collective the stack waits in: a torch.distributed call, or DDP's gradient all-reduce at
+    the end of a backward called from our forward_backward."""
+    for m in frames:
+        if "torch/distributed/" in m["file"] and m["func"].split(".")[-1] in COLLECTIVES:
+            return f"torch.distributed {m['func'].split('.')[-1]}"
+    own = next((m for m in frames if is_ours(m["file"])), None)
+    backward = any("torch/autograd/" in m["file"] for m in frames)
+    if backward and own is not None and own["file"].endswith(OURS + "worker/step.py") and own["func"] == "forward_backward":
+        return "DDP's gradient all-reduce (backward)"
+    return None
+
+
+def dump_stacks(ranks: list[dict[str, Any]]) -> list[str]:
+    """Every rank's `py-spy dump`: here for the ranks on this host, by a task on its node for the others."""
+    import ray
+
+    dump_there = ray.remote(num_cpus=0)(py_spy)
+    here = ray.util.get_node_ip_address()
+    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    asks = [py_spy(r["pid"]) if r["ip"] == here else on_node(nodes.get(r["ip"]), dump_there, r["pid"]) for r in ranks]
+    return [ask if isinstance(ask, str) else fetch(ask, f"no answer from {r['ip']}") for ask, r in zip(asks, ranks)]
+
+
+def end_ranks(ranks: list[dict[str, Any]]) -> None:
+    """SIGKILL every rank: stuck in a collective, none would end before its timeout."""
+    import ray
+
+    kill_there = ray.remote(num_cpus=0)(kill)
+    here = ray.util.get_node_ip_address()
+    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    asks = [kill(r["pid"]) if r["ip"] == here else on_node(nodes.get(r["ip"]), kill_there, r["pid"]) for r in ranks]
+    for ask in asks:
+        if ask is not None and not isinstance(ask, str):
+            fetch(ask, "")
+
+
+def on_node(node_id: str | None, task: Any, pid: int) -> Any:
+    """`task(pid)` on the node `node_id`, or why not."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if node_id is None:
+        return "py-spy not run: the rank's node is not alive in Ray"
+    return task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(pid)
+
+
+def fetch(ref: Any, failed: str) -> str:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=PY_SPY_TIMEOUT_S + 10)
+    except Exception as err:  # a dead node, a timeout: the file says so
+        return f"{failed}: {err}"
+
+
+def py_spy(pid: int) -> str:
+    """`py-spy dump --pid PID` on this host (py-spy comes with ray[default]), or why it failed."""
+    exe = Path(sys.executable).with_name("py-spy")
+    exe = str(exe) if exe.exists() else shutil.which("py-spy")
+    if exe is None:
+        return "py-spy failed: not found next to the Python interpreter nor on PATH (pip install py-spy)"
+    try:
+        done = subprocess.run([exe, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=PY_SPY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"py-spy failed: no dump of pid {pid} within {PY_SPY_TIMEOUT_S:.0f} s"
+    if done.returncode != 0:
+        return f"py-spy failed (exit {done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
+    return done.stdout
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

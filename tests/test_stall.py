@@ -1,0 +1,118 @@
+"""The stall watch (driver/stall.py): a rank stuck for good is named, with its frame, in seconds, not
+after the collective's 30-minute timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import raytrain
+
+from raytrain_ddp.driver.stall import Place, culprit_ranks, read_place, stall_limit
+
+HANGS_PY = """\
+import threading
+
+import torch.distributed as dist
+from torch import nn
+
+
+class HangsOnRank1(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Linear(8, num_classes))
+        self.forwards = 0
+
+    def forward(self, x):
+        if self.training:
+            self.forwards += 1
+            if self.forwards == 5 and dist.get_rank() == 1:
+                threading.Event().wait()  # the fault: rank 1 never comes back
+        return self.body(x)
+"""
+HANG_LINE = 18
+"""hangs.py's line of the wait, as the culprit's frame names it."""
+STALL_S = 10
+
+
+@pytest.mark.e2e
+def test_a_rank_stuck_in_its_forward_is_named_and_the_run_fails_in_seconds(ray_head, tmp_path: Path):
+    (tmp_path / "hangs.py").write_text(HANGS_PY)
+    started = time.monotonic()
+    try:
+        proc = raytrain(
+            "run", "--model", "hangs:HangsOnRank1", "--workers", "2", "--epochs", "1", "--train-samples", "640",
+            "--val-samples", "32", "--batch-size", "16", "--data-workers", "0", "--progress", "plain",
+            "--stall-timeout", str(STALL_S), "--storage-path", str(tmp_path / "runs"), "--name", "stuck",
+            env=ray_head.env, cwd=tmp_path, timeout=240,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run hung: no stall was detected")
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the run stalled"), proc.stderr[-3000:]
+    assert "rank 1 (" in last and f"hangs.py:{HANG_LINE} in HangsOnRank1.forward" in last, last
+    assert "rank 0 (" not in last and "DDP's gradient all-reduce" in last, last
+    stall = tmp_path / "runs" / "stuck" / "stall"
+    assert (stall / "rank0.txt").exists() and (stall / "rank1.txt").exists()
+    assert "forward_backward" in (stall / "rank0.txt").read_text()
+    assert took < 180, f"{took:.0f} s: the stall was not acted on within {STALL_S} s + 30 s of it (plus the start)"
+
+
+def test_the_default_limit_is_two_minutes_or_ten_slow_steps_and_0_is_off():
+    assert stall_limit(None, []) == 120.0
+    assert stall_limit(None, [1.0, 30.0]) == 300.0
+    assert stall_limit(7.5, [30.0]) == 7.5
+    assert stall_limit(0, [30.0]) is None
+
+
+RANK0 = """\
+Process 11: ray::RayTrainWorker
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 11 (idle): "MainThread"
+    Condition.wait (/usr/lib/python3.11/threading.py:327)
+    main_loop (/venv/lib/python3.11/site-packages/ray/_private/worker.py:900)
+
+Thread 12 (idle): "TrainingThread"
+    _engine_run_backward (/venv/lib/python3.11/site-packages/torch/autograd/graph.py:825)
+    backward (/venv/lib/python3.11/site-packages/torch/autograd/__init__.py:347)
+    Tensor.backward (/venv/lib/python3.11/site-packages/torch/_tensor.py:581)
+    forward_backward (/src/raytrain_ddp/worker/step.py:58)
+    train_epoch (/src/raytrain_ddp/worker/loop.py:220)
+"""
+RANK1 = """\
+Thread 21 (idle): "TrainingThread"
+    Condition.wait (/usr/lib/python3.11/threading.py:327)
+    Event.wait (/usr/lib/python3.11/threading.py:629)
+    HangsOnRank1.forward (/tmp/x/hangs.py:18)
+    Module._call_impl (/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1750)
+    forward_backward (/src/raytrain_ddp/worker/step.py:56)
+    train_epoch (/src/raytrain_ddp/worker/loop.py:220)
+"""
+IN_BARRIER = """\
+Thread 31 (idle): "TrainingThread"
+    barrier (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:4000)
+    wrapper (/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:81)
+    agree (/src/raytrain_ddp/worker/control.py:70)
+"""
+
+
+def test_a_stack_reads_as_the_training_threads_own_frame_and_its_collective():
+    assert read_place(RANK0) == Place("/src/raytrain_ddp/worker/step.py:58 in forward_backward",
+                                      "DDP's gradient all-reduce (backward)")
+    assert read_place(RANK1) == Place("/tmp/x/hangs.py:18 in HangsOnRank1.forward", None)
+    assert read_place(IN_BARRIER).collective == "torch.distributed barrier"
+    assert read_place("py-spy failed (exit 1): Permission denied").collective is None
+
+
+def test_the_culprit_is_the_rank_not_where_the_others_wait():
+    waits, stuck, other = read_place(RANK0), read_place(RANK1), read_place(IN_BARRIER)
+    assert culprit_ranks([waits, stuck, waits]) == [1]
+    assert culprit_ranks([waits, waits, other]) == [2]
+    assert culprit_ranks([stuck, stuck]) == []  # nobody waits: nothing to tell them apart
+    assert culprit_ranks([waits, waits]) == []
