@@ -31,12 +31,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import raytrain_ddp
-from raytrain_ddp.driver.session import PASSED_TO_WORKERS, version_mismatch
 from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
-from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS, find_target
+from raytrain_ddp.driver.session import PASSED_TO_WORKERS, version_mismatch
 from raytrain_ddp.driver.shipping import SHIP_EXCLUDES
+from raytrain_ddp.errors import EXIT_INTERRUPTED
+
+PACKAGE = Path(__file__).resolve().parents[1]
+"""raytrain_ddp/, the source the job ships (found by path: the driver side never imports the package's face)."""
 
 STOP_GRACE_S = 60
 """Seconds from `raytrain stop`'s SIGTERM to Ray's SIGKILL. The run checkpoints at its next agreed
@@ -229,7 +231,7 @@ def runtime_env() -> dict[str, Any]:
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
     env_vars["RAY_JOB_STOP_WAIT_TIME_S"] = str(STOP_GRACE_S)
     return {
-        "py_modules": [str(Path(raytrain_ddp.__file__).parent)],
+        "py_modules": [str(PACKAGE)],
         "excludes": ["__pycache__", "*.pyc"],
         "env_vars": env_vars,
     }
