@@ -199,13 +199,11 @@ def cap(samples: Samples, limit: int | None) -> Samples:
 # --- driver-side checks ---
 
 def validate(cfg: TrainConfig) -> None:
-    """Driver-side checks that fail in seconds, before any worker starts (names the fix).
-
-    With --download, fetches a dataset first if it is not already in --data-dir.
-    """
-    if plugins.is_import_path(cfg.dataset):
-        plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
-    elif cfg.dataset not in DATASETS:
+    """Driver-side checks that fail in seconds, before any worker starts (names the fix): the
+    dataset's name, its files (with --download, fetched first if not already in --data-dir), or
+    the user's dataset by import path (it must import)."""
+    own = plugins.is_import_path(cfg.dataset)
+    if not own and cfg.dataset not in DATASETS:
         raise ConfigError(
             f"unknown --dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}, or give your own as "
             "PKG.MODULE:CALLABLE"
@@ -213,8 +211,15 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.loader == "ray" and cfg.dataset != "parquet":
         how = f"`raytrain data convert SRC DST --format {cfg.dataset}`" if cfg.dataset in READERS else "`raytrain data convert`"
         raise ConfigError(f"--loader ray reads Parquet shards: write them with {how}, then pass --dataset parquet --data-dir DST")
-    if cfg.dataset == "synthetic" or plugins.is_import_path(cfg.dataset):
-        return
+    if not own and cfg.dataset != "synthetic":
+        check_files(cfg)
+    if own:
+        plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
+
+
+def check_files(cfg: TrainConfig) -> None:
+    """A built-in dataset's files: present (or downloaded with --download), labels within
+    --num-classes, and the caps said when they leave samples out."""
     if cfg.download and cfg.dataset not in DOWNLOADS:
         raise ConfigError(f"--dataset {cfg.dataset} has no public source to download; drop --download")
     root = data_root(cfg)
