@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.stall import Place, culprit_ranks, read_place, stall_limit
+from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit
 
 HANGS_PY = """\
 import threading
@@ -116,3 +116,12 @@ def test_the_culprit_is_the_rank_not_where_the_others_wait():
     assert culprit_ranks([waits, waits, other]) == [2]
     assert culprit_ranks([stuck, stuck]) == []  # nobody waits: nothing to tell them apart
     assert culprit_ranks([waits, waits]) == []
+
+
+def test_a_group_whose_processes_are_gone_is_no_stall():
+    """Ray Train ending or restarting a worker group leaves the sink silent too; the ranks' processes
+    are gone then, and the watch must not fail a run that is recovering."""
+    assert is_stack("Process 4242: python -m raytrain_ddp\nPython v3.11.7 (/usr/bin/python3)\n\nThread 4242 (idle): ...")
+    assert not is_stack("py-spy failed (exit 1): Failed to find process 4242")
+    assert not is_stack("no answer from 10.0.0.2: timeout")
+    assert not is_stack("py-spy not run: the rank's node is not alive in Ray")

@@ -80,15 +80,21 @@ class StallWatch:
         limit = stall_limit(self.timeout, gaps)
         if quiet is None or limit is None or quiet < limit:
             return
-        raise diagnose(ranks, quiet, self.run_dir, self.say)
+        stacks = dump_stacks(ranks)
+        if not any(map(is_stack, stacks)):
+            # No rank's process is there: Ray Train is ending or restarting the worker group (a
+            # failure, a resize), which is no stall. Count again from now; the new group's start
+            # (sink.start) restarts the count anyway.
+            self.sink.phase.remote(None)
+            return
+        raise diagnose(ranks, stacks, quiet, self.run_dir, self.say)
 
 
-def diagnose(ranks: list[dict[str, Any]], quiet: float, run_dir: Path, say: Callable[[str], None]) -> Stalled:
-    """Dump every rank's stack to <run dir>/stall/rankN.txt, say where each is, end the ranks, and
+def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float, run_dir: Path, say: Callable[[str], None]) -> Stalled:
+    """Write every rank's stack to <run dir>/stall/rankN.txt, say where each is, end the ranks, and
     return the error that names the rank the others wait for."""
     folder = run_dir / "stall"
     folder.mkdir(parents=True, exist_ok=True)
-    stacks = dump_stacks(ranks)
     places = []
     say(f"stalled: no rank finished a training step for {quiet:.0f} s; every rank's stack -> {folder}")
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
@@ -132,6 +138,11 @@ def read_place(text: str) -> Place:
         return Place("no Python stack (py-spy failed, see the rank's file)", None)
     own = next((m for m in frames if is_ours(m["file"])), frames[0])
     return Place(f"{own['file']}:{own['line']} in {own['func']}", collective_of(frames))
+
+
+def is_stack(text: str) -> bool:
+    """Whether a rank's dump is a stack, not why there is none (py-spy's own output begins `Process PID:`)."""
+    return text.startswith("Process ")
 
 
 def is_ours(file: str) -> bool:
