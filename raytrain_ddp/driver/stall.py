@@ -167,26 +167,26 @@ def collective_of(frames: list[re.Match[str]]) -> str | None:
 
 def dump_stacks(ranks: list[dict[str, Any]]) -> list[str]:
     """Every rank's `py-spy dump`: here for the ranks on this host, by a task on its node for the others."""
-    import ray
-
-    dump_there = ray.remote(num_cpus=0)(py_spy)
-    here = ray.util.get_node_ip_address()
-    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    asks = [py_spy(r["pid"]) if r["ip"] == here else on_node(nodes.get(r["ip"]), dump_there, r["pid"]) for r in ranks]
+    asks = on_each_rank(ranks, py_spy)
     return [ask if isinstance(ask, str) else fetch(ask, f"no answer from {r['ip']}") for ask, r in zip(asks, ranks)]
 
 
 def end_ranks(ranks: list[dict[str, Any]]) -> None:
     """SIGKILL every rank: stuck in a collective, none would end before its timeout."""
-    import ray
-
-    kill_there = ray.remote(num_cpus=0)(kill)
-    here = ray.util.get_node_ip_address()
-    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    asks = [kill(r["pid"]) if r["ip"] == here else on_node(nodes.get(r["ip"]), kill_there, r["pid"]) for r in ranks]
-    for ask in asks:
+    for ask in on_each_rank(ranks, kill):
         if ask is not None and not isinstance(ask, str):
             fetch(ask, "")
+
+
+def on_each_rank(ranks: list[dict[str, Any]], call: Callable[[int], Any]) -> list[Any]:
+    """`call(pid)` for every rank: its result for the ranks on this host, a Ray task's reference (or
+    why there is none) for the ranks on other nodes."""
+    import ray
+
+    there = ray.remote(num_cpus=0)(call)
+    here = ray.util.get_node_ip_address()
+    nodes = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return [call(r["pid"]) if r["ip"] == here else on_node(nodes.get(r["ip"]), there, r["pid"]) for r in ranks]
 
 
 def on_node(node_id: str | None, task: Any, pid: int) -> Any:
