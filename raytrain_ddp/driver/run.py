@@ -22,6 +22,7 @@ from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.stall import StallWatch
+from raytrain_ddp.driver.stragglers import RANK_TIMES, most_uneven, stragglers, write_rank_times
 from raytrain_ddp.driver.startup import RUN_STAGES
 
 POLL_S = 0.5
@@ -147,8 +148,13 @@ def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> d
         node_ips=[r["ip"] for r in info["ranks"]],
         first_step_unix=info.get("first_step_unix"),
         profile=[line for _, line in sorted(info.get("profiles", {}).items())] or None,  # --profile, by rank
+        most_uneven_epoch=most_uneven(info.get("rank_parts", {}), hosts(info)),  # every rank's parts, and stragglers
         resizes=[{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
     )
+
+
+def hosts(info: dict[str, Any]) -> list[str]:
+    return [r["hostname"] for r in info.get("ranks", [])]
 
 
 def resize_reason(event: dict[str, Any]) -> str:
@@ -180,6 +186,8 @@ class RunNews:
         self.rows: list[dict[str, Any]] = []
         self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print)
         self.stalled: BaseException | None = None
+        self.stragglers: set[tuple[int, str]] = set()
+        """(rank, part) of the stragglers named so far: each is said once, its epochs are in rank_times.csv."""
 
     def poll(self) -> None:
         import ray
@@ -192,6 +200,8 @@ class RunNews:
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
             # Which pid on which host is which rank: for the user (and for tests that kill one).
             write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
+        if info.get("rank_parts") and info["rank_parts"] != self.info.get("rank_parts"):
+            write_rank_times(self.run_dir / RANK_TIMES, info["rank_parts"], hosts(info))
         for line in self.lines(info):
             self.display.print(line)
         self.info, self.rows = info, rows
@@ -229,5 +239,15 @@ class RunNews:
             lines += [started] if started else []
         lines += [line for rank, line in sorted(info.get("profiles", {}).items())
                   if line != was.get("profiles", {}).get(rank)]
+        return lines + self.straggler_lines(info)
+
+    def straggler_lines(self, info: dict[str, Any]) -> list[str]:
+        """A line for each rank newly slow in a part: the first epoch it was."""
+        lines, parts = [], info.get("rank_parts", {})
+        for epoch in sorted(parts.keys() - self.info.get("rank_parts", {}).keys()):
+            for slow in stragglers(epoch, parts[epoch], hosts(info)):
+                if (slow.rank, slow.part) not in self.stragglers:
+                    self.stragglers.add((slow.rank, slow.part))
+                    lines.append(f"{slow.line()}; every rank's parts -> {self.run_dir / RANK_TIMES}")
         return lines
 

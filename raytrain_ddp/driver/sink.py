@@ -101,6 +101,10 @@ class Sink:
         """Ray announced a node drain (a preemption); the ranks checkpointed and train on."""
         self.run["drain_saved"] = [epoch, position]
 
+    def rank_parts(self, epoch: int, parts: list[dict[str, float]]) -> None:
+        """Every rank's seconds in data, forward, backward and communication this epoch (worker/part_clock.py)."""
+        self.run.setdefault("rank_parts", {})[epoch] = parts
+
     def profiled(self, rank: int, line: str) -> None:
         """A rank's --profile line (profiling.py), for the driver to show."""
         self.run.setdefault("profiles", {})[rank] = line

@@ -36,6 +36,7 @@ from raytrain_ddp.worker import parallel
 from raytrain_ddp.worker.control import Control
 from raytrain_ddp.worker.epoch_metrics import all_reduce_means, epoch_resources, epoch_row, evaluate
 from raytrain_ddp.worker.models import model_builder
+from raytrain_ddp.worker.part_clock import PartClock
 from raytrain_ddp.worker.profiling import Profiler
 from raytrain_ddp.worker.schedule import lr_factor, set_lr
 from raytrain_ddp.worker.state import TrainState
@@ -67,6 +68,8 @@ class Setup:
     checkpointer: Checkpointer
     profiler: Profiler
     """--profile over micro-batches of the first pass (profiling.py); off, it does nothing."""
+    parts: PartClock
+    """This rank's seconds in data, forward, backward and communication, per pass (for stragglers)."""
 
 
 def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> None:
@@ -111,7 +114,7 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
         announce(cfg, sink, state, resumed, ranks, loaders.steps_per_epoch, marks)
     profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line))
     run = Setup(cfg, sink, rank, world_size, device, loaders, model, optimizer, scaler, amp_dtype, accum,
-                checkpointer, profiler)
+                checkpointer, profiler, PartClock(model, device))
 
     # [5] Epochs: a pass of optimizer steps, then validation and the epoch's checkpoint.
     control = Control.new(rank, sink, amp_dtype, device)
@@ -210,6 +213,7 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
     cfg, start = run.cfg, state.position
     done = start // (run.world_size * cfg.batch_size)  # batches per rank before this pass, for the display
     control.new_pass()
+    run.parts.new_pass()
     batches = timed(run.loaders.train)
     for opt_step, first in enumerate(range(1, micro_steps + 1, run.accum), start=1):
         last = min(first + run.accum - 1, micro_steps)  # the epoch's last step may have fewer micro-batches
@@ -217,9 +221,10 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
         for step in range(first, last + 1):  # gradients add up locally; the ranks sync them on the last only
             (inputs, labels), waited = next(batches)
             clock.data_wait += waited
+            run.parts.waited(waited)
             inputs, labels = to_device(inputs, labels, run.device)
             loss, logits = forward_backward(run.model, inputs, labels, run.amp_dtype, run.scaler, cfg.label_smoothing,
-                                            weight=1 / (last - first + 1), sync=step == last)
+                                            weight=1 / (last - first + 1), sync=step == last, parts=run.parts)
             state.count(loss, logits, labels)
             control.count(loss, done + step)
             if run.rank == 0 and time.perf_counter() - clock.last_update >= PROGRESS_EVERY_S:
@@ -297,8 +302,10 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
     row = epoch_row(state.epoch, train, val, lr, state.train_time, run.world_size, len(state.resizes), resources)
     row["global_batch"] = cfg.batch_size * run.world_size * run.accum  # for the epoch line; not a CSV column
     state.rows.append(row)
+    parts = run.parts.gather(run.device)  # every rank's own time per part, for the driver to find a straggler
     if run.rank == 0:
         run.sink.epoch.remote(row)
+        run.sink.rank_parts.remote(state.epoch, parts)
     state.next_epoch()
     run.checkpointer.save(state, force=True, metrics=row)
     tell_phase(run, None)

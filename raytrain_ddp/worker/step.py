@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.worker import parallel
+from raytrain_ddp.worker.part_clock import PartClock
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -44,16 +45,24 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
 
 def forward_backward(
     model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, amp_dtype: torch.dtype | None,
-    scaler: torch.amp.GradScaler, label_smoothing: float, weight: float, sync: bool,
+    scaler: torch.amp.GradScaler, label_smoothing: float, weight: float, sync: bool, parts: PartClock | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch: forward, then backward of its loss x `weight` (1 / micro-batches in this
-    optimizer step, so the summed gradient is the big batch's mean). Returns (loss, logits), detached."""
+    optimizer step, so the summed gradient is the big batch's mean). Returns (loss, logits), detached.
+    `parts`, when given, times the forward and the backward (and DDP's hook, the communication)."""
     # gradients are reduced over the ranks only on the last micro-batch; the others add to .grad locally
     with parallel.gradient_sync(model, sync):
+        if parts is not None:
+            parts.mark("start")
         with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(inputs)
             loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        if parts is not None:
+            parts.mark("forward")
         scaler.scale(loss * weight).backward()
+        if parts is not None:
+            parts.mark("backward")
+            parts.step_done()
     return loss.detach(), logits.detach()
 
 
