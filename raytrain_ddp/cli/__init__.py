@@ -13,7 +13,13 @@ from typing import Any, Callable
 
 import typer
 
-from raytrain_ddp.cli.bench import data_command, overhead_command, sharded_command, startup_scale_command
+from raytrain_ddp.cli.bench import (
+    data_command,
+    doctor_command,
+    overhead_command,
+    sharded_command,
+    startup_scale_command,
+)
 from raytrain_ddp.cli.commands import (
     check_command,
     export_command,
@@ -70,6 +76,7 @@ add(bench_app, "overhead", overhead_command)
 add(bench_app, "data", data_command)
 add(bench_app, "startup-scale", startup_scale_command)
 add(bench_app, "sharded", sharded_command)
+add(bench_app, "doctor", doctor_command)
 
 
 def ours(argv: list[str]) -> list[str]:

@@ -106,3 +106,26 @@ def sharded_command(
     settings = Settings(ranks=ranks, width=width, depth=depth, batch=batch, steps=steps, save_at=save_at,
                         threads=threads, checkpoint_dir=checkpoint_dir)
     bench_sharded(settings, chosen)
+
+
+def doctor_command(
+    ranks: int = typer.Option(2, "--ranks", help="gloo ranks on this machine, one process each (no Ray)."),
+    model: str = typer.Option("resnet18", "--model", help="A built-in model."),
+    batch: int = typer.Option(32, "--batch", help="Samples per rank per step."),
+    image_size: int = typer.Option(32, "--image-size", help="Input images are this many pixels square."),
+    steps: int = typer.Option(20, "--steps", help="Steps of each variant per round."),
+    rounds: int = typer.Option(5, "--rounds", help="Rounds; the variants' order alternates."),
+    threads: int = typer.Option(1, "--threads", help="torch threads per rank."),
+) -> None:
+    """What the straggler split (worker/part_clock.py) costs a DDP step when nothing is wrong: the
+    same model trained with and without it, in alternating rounds; prints the median steps and the
+    difference."""
+    from raytrain_ddp.bench.doctor import Settings, bench_doctor
+    from raytrain_ddp.worker.models import MODELS
+
+    if model not in MODELS:
+        raise ConfigError(f"unknown --model {model!r}; choose from {', '.join(MODELS)}")
+    if min(ranks, batch, image_size, steps, rounds, threads) < 1:
+        raise ConfigError("--ranks, --batch, --image-size, --steps, --rounds and --threads must each be at least 1")
+    bench_doctor(Settings(ranks=ranks, model=model, batch=batch, image_size=image_size, steps=steps, rounds=rounds,
+                          threads=threads))

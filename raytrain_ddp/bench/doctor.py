@@ -1,0 +1,122 @@
+"""`raytrain bench doctor`: what the straggler split costs a step when nothing is wrong:
+
+    raytrain bench doctor --ranks 2 --model resnet18 --steps 20 --rounds 5
+
+gloo ranks on CPU (no Ray: the driver's stall watch runs on the driver, and the ranks' beats to it
+were already there for the progress line). Each rank trains two DDP replicas of the same model from
+the same weights through the loop's own forward_backward: `plain` as before, and `timed` with the
+PartClock (its marks, and DDP's bucket hook that splits backward from communication). Every round
+runs --steps steps of each, the order swapped every round so that a drift in the machine's speed
+falls on both. Printed: the median step of each over the rounds, the difference, and the epoch-end
+gather of every rank's parts, which runs once per epoch.
+Figures only, nothing asserted.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.net import free_port
+from raytrain_ddp.worker.models import model_builder
+from raytrain_ddp.worker.part_clock import PartClock
+from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the benchmark runs (the options of `raytrain bench doctor`)."""
+
+    ranks: int = 2
+    """gloo ranks, one process each."""
+    model: str = "resnet18"
+    """A built-in model."""
+    batch: int = 32
+    """Samples per rank per step."""
+    image_size: int = 32
+    """Input images are image_size x image_size, 3 channels."""
+    steps: int = 20
+    """Steps of each variant per round."""
+    rounds: int = 5
+    """Rounds; the variants' order alternates."""
+    threads: int = 1
+    """torch threads per rank."""
+
+
+def rank_main(rank: int, port: int, settings: Settings, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=settings.ranks)
+    torch.set_num_threads(settings.threads)
+    torch.manual_seed(0)
+    cfg = TrainConfig(model=settings.model)
+    base = model_builder(settings.model)(num_classes=10, in_channels=3)
+    cpu = torch.device("cpu")
+    variants = {}
+    for name in ("plain", "timed"):
+        model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
+        parts = PartClock(model, cpu) if name == "timed" else None
+        variants[name] = (model, make_optimizer(cfg, model), parts)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    x = torch.randn(settings.batch, 3, settings.image_size, settings.image_size)
+    y = torch.randint(10, (settings.batch,))
+    medians: dict[str, list[float]] = {"plain": [], "timed": []}
+    for round_ in range(settings.rounds + 1):  # round 0 warms both up and is not counted
+        for name in (("plain", "timed") if round_ % 2 else ("timed", "plain")):
+            model, optimizer, parts = variants[name]
+            times = []
+            for _ in range(settings.steps):
+                start = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                forward_backward(model, x, y, None, scaler, 0.0, weight=1.0, sync=True, parts=parts)
+                apply_gradients(model, optimizer, scaler, 0.0)
+                times.append(time.perf_counter() - start)
+            if round_:
+                medians[name].append(statistics.median(times))
+    start = time.perf_counter()
+    variants["timed"][2].gather(cpu)
+    gathered = time.perf_counter() - start
+    if rank == 0:
+        out.put({"medians": medians, "gather_s": gathered})
+    dist.destroy_process_group()
+
+
+def bench_doctor(settings: Settings) -> None:
+    """Run the ranks and print the table."""
+    print(f"{settings.model}, {settings.ranks} gloo ranks, batch {settings.batch}/rank at {settings.image_size} px, "
+          f"{settings.threads} thread(s)/rank, {settings.rounds} rounds of {settings.steps} steps per variant")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=rank_main, args=(r, port, settings, out)) for r in range(settings.ranks)]
+    for p in procs:
+        p.start()
+    result = None
+    while result is None and not any(p.exitcode for p in procs):
+        try:
+            result = out.get(timeout=5)
+        except queue.Empty:  # a rank that died would leave us waiting forever
+            pass
+    for p in procs:
+        p.join(timeout=None if result else 30)
+        if p.is_alive():
+            p.kill()
+    if result is None:
+        print(f"failed: rank exit codes {[p.exitcode for p in procs]}")
+        return
+    plain, timed = (statistics.median(result["medians"][name]) for name in ("plain", "timed"))
+    print("| variant | step ms (median of round medians) | per round |")
+    print("|---|---|---|")
+    for name, value in (("plain", plain), ("timed", timed)):
+        rounds = " ".join(f"{t * 1000:.1f}" for t in result["medians"][name])
+        print(f"| {name} | {value * 1000:.2f} | {rounds} |")
+    print(f"the split costs {(timed - plain) * 1000:+.2f} ms a step ({(timed - plain) / plain:+.2%}); "
+          f"the epoch-end gather of every rank's parts: {result['gather_s'] * 1000:.2f} ms once per epoch")
