@@ -120,6 +120,11 @@ def test_a_stack_reads_as_the_training_threads_own_frame_and_its_collective():
     assert read_place(RANK1) == Place("/tmp/x/hangs.py:18 in HangsOnRank1.forward", None)
     assert read_place(IN_BARRIER).collective == "torch.distributed barrier"
     assert read_place(IN_FORWARD) == Place("/tmp/x/skips.py:17 in SkipsOnRank0.forward", "torch.distributed barrier (forward)")
+    sync_bn = IN_FORWARD.replace("    SkipsOnRank0.forward", """\
+    SyncBatchNorm.forward (/venv/lib/python3.11/site-packages/torch/nn/modules/_functions.py:90)
+    Function.apply (/venv/lib/python3.11/site-packages/torch/autograd/function.py:581)
+    SkipsOnRank0.forward""").replace("barrier (", "all_gather_into_tensor (")
+    assert read_place(sync_bn).collective == "torch.distributed all_gather_into_tensor (forward)"
     assert read_place("py-spy failed (exit 1): Permission denied").collective is None
 
 

@@ -202,7 +202,8 @@ def collective_of(frames: list[re.Match[str]]) -> str | None:
     the end of a backward called from our forward_backward. Within forward_backward it says where in
     the step, (forward) or (backward), so a tie between two ranks can tell which one is ahead."""
     own = next((m for m in frames if is_ours(m["file"])), None)
-    backward = any("torch/autograd/" in m["file"] for m in frames)
+    # autograd's entry to a backward, not any autograd frame: a Function's apply (SyncBatchNorm) runs in a forward
+    backward = any("torch/autograd/" in m["file"] and m["func"] in ("backward", "_engine_run_backward") for m in frames)
     in_step = any(m["file"].endswith(OURS + "worker/step.py") and m["func"] == "forward_backward" for m in frames)
     stage = f" {STAGES[1] if backward else STAGES[0]}" if in_step else ""
     for m in frames:
