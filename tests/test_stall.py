@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit
+from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit, verdict
 
 HANGS_PY = """\
 import threading
@@ -100,6 +100,18 @@ Thread 31 (idle): "TrainingThread"
     wrapper (/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:81)
     agree (/src/raytrain_ddp/worker/control.py:70)
 """
+IN_FORWARD = """\
+Thread 41 (idle): "TrainingThread"
+    barrier (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:6371)
+    _exception_logger.<locals>.wrapper (/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83)
+    SkipsOnRank0.forward (/tmp/x/skips.py:17)
+    Module._call_impl (/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1794)
+    DistributedDataParallel.forward (/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py:1891)
+    Module._call_impl (/venv/lib/python3.11/site-packages/torch/nn/modules/module.py:1794)
+    forward_backward (/src/raytrain_ddp/worker/step.py:54)
+    train_epoch (/src/raytrain_ddp/worker/loop.py:220)
+"""
+"""A rank in a barrier its model's forward calls, where the rank that skipped it is past it, in RANK0's backward."""
 
 
 def test_a_stack_reads_as_the_training_threads_own_frame_and_its_collective():
@@ -107,6 +119,12 @@ def test_a_stack_reads_as_the_training_threads_own_frame_and_its_collective():
                                       "DDP's gradient all-reduce (backward)")
     assert read_place(RANK1) == Place("/tmp/x/hangs.py:18 in HangsOnRank1.forward", None)
     assert read_place(IN_BARRIER).collective == "torch.distributed barrier"
+    assert read_place(IN_FORWARD) == Place("/tmp/x/skips.py:17 in SkipsOnRank0.forward", "torch.distributed barrier (forward)")
+    sync_bn = IN_FORWARD.replace("    SkipsOnRank0.forward", """\
+    SyncBatchNorm.forward (/venv/lib/python3.11/site-packages/torch/nn/modules/_functions.py:90)
+    Function.apply (/venv/lib/python3.11/site-packages/torch/autograd/function.py:581)
+    SkipsOnRank0.forward""").replace("barrier (", "all_gather_into_tensor (")
+    assert read_place(sync_bn).collective == "torch.distributed all_gather_into_tensor (forward)"
     assert read_place("py-spy failed (exit 1): Permission denied").collective is None
 
 
@@ -116,6 +134,39 @@ def test_the_culprit_is_the_rank_not_where_the_others_wait():
     assert culprit_ranks([waits, waits, other]) == [2]
     assert culprit_ranks([stuck, stuck]) == []  # nobody waits: nothing to tell them apart
     assert culprit_ranks([waits, waits]) == []
+
+
+def test_a_rank_that_skipped_a_collective_is_the_one_past_it_even_in_a_tie():
+    """Rank 1 skipped the barrier its forward calls: it waits in DDP's gradient all-reduce, past the
+    barrier the others wait in. At 2 ranks that is a tie, broken by which rank is further along."""
+    ahead, behind, elsewhere = read_place(RANK0), read_place(IN_FORWARD), read_place(IN_BARRIER)
+    assert culprit_ranks([behind, ahead, behind]) == [1]
+    assert culprit_ranks([behind, ahead]) == [1]
+    assert culprit_ranks([ahead, behind]) == [0]
+    assert culprit_ranks([ahead, elsewhere]) == []  # which of these is ahead? nothing says
+    assert culprit_ranks([ahead, elsewhere, read_place(RANK1)]) == [2]  # still the one stuck in none
+
+
+RANKS = [{"hostname": "vm", "pid": 100 + r} for r in range(3)]
+
+
+def test_the_verdict_names_the_rank_past_the_collective_and_where_the_others_wait():
+    ahead, behind, elsewhere = read_place(RANK0), read_place(IN_FORWARD), read_place(IN_BARRIER)
+    line = verdict(RANKS, [ahead, behind], 10, Path("runs/x/stall"))
+    assert line == (
+        "the run stalled (no training step for 10 s): rank 0 (vm pid 100) is at /src/raytrain_ddp/worker/step.py:58 in "
+        "forward_backward in DDP's gradient all-reduce (backward), while the others wait in torch.distributed barrier "
+        "(forward) at /tmp/x/skips.py:17 in SkipsOnRank0.forward; rank 0 went past that collective: skipped it, or the "
+        "others call one extra; stacks in runs/x/stall")
+    line = verdict(RANKS, [ahead, elsewhere], 10, Path("s"))
+    assert line.startswith("the run stalled (no training step for 10 s): the ranks wait in different collectives (rank 0 "
+                           "in DDP's gradient all-reduce (backward) at /src/raytrain_ddp/worker/step.py:58 in forward_backward, "
+                           "rank 1 in torch.distributed barrier at /src/raytrain_ddp/worker/control.py:70 in agree)"), line
+    line = verdict(RANKS, [elsewhere, ahead, elsewhere], 10, Path("s"))
+    assert "rank 1 (vm pid 101)" in line and "rank 1 and the others call different collectives" in line, line
+    line = verdict(RANKS, [ahead, read_place(RANK1)], 10, Path("s"))
+    assert "rank 1 (vm pid 101) is at /tmp/x/hangs.py:18 in HangsOnRank1.forward, while the others" in line, line
+    assert "skipped" not in line, line
 
 
 def test_a_group_whose_processes_are_gone_is_no_stall():

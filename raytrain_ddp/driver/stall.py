@@ -37,6 +37,8 @@ COLLECTIVES = {
     "scatter", "send", "recv", "wait",
 }
 """torch.distributed's functions that wait for the other ranks."""
+STAGES = ("(forward)", "(backward)")
+"""Where in forward_backward a rank waits, in the order a step passes them."""
 
 
 class Stalled(RuntimeError):
@@ -109,23 +111,66 @@ def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float, run_d
 
 def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float, folder: Path) -> str:
     """The one line: which rank(s) are not where the others wait, and where they are."""
-    culprits = culprit_ranks(places)
     head = f"the run stalled (no training step for {quiet:.0f} s)"
+    common = where_most_wait(places)
+    if common is None and len({p.collective for p in places if p.collective}) > 1:
+        each = ", ".join(f"rank {r} in {p.collective or 'no collective'} at {p.frame}" for r, p in enumerate(places))
+        return (f"{head}: the ranks wait in different collectives ({each}): one skipped a collective the others "
+                f"called, or called one they do not; stacks in {folder}")
+    culprits = culprit_ranks(places)
     if not culprits:
         return f"{head}, and no rank stands apart from the others; see the stacks in {folder}"
-    others = Counter(p.collective for p in places).most_common(1)[0][0]
-    named = "; ".join(f"rank {r} ({ranks[r]['hostname']} pid {ranks[r]['pid']}) is at {places[r].frame}" for r in culprits)
-    return f"{head}: {named}, while the others wait in {others}; stacks in {folder}"
+    named = "; ".join(f"rank {r} ({ranks[r]['hostname']} pid {ranks[r]['pid']}) is at {places[r].frame}"
+                      + (f" in {places[r].collective}" if places[r].collective else "") for r in culprits)
+    at = next(p.frame for p in places if p.collective == common)
+    return f"{head}: {named}, while the others wait in {common} at {at}{why_apart(places, culprits, common)}; " \
+           f"stacks in {folder}"
+
+
+def why_apart(places: list[Place], culprits: list[int], common: str) -> str:
+    """What ranks in another collective than the others' mean: past it (a rank in backward has
+    passed the forward the others wait in), or in another order of calls."""
+    theirs = {places[r].collective for r in culprits} - {None}
+    if not theirs:
+        return ""  # stuck outside any collective: its frame says where
+    who = f"rank {culprits[0]}" if len(culprits) == 1 else "ranks " + ", ".join(map(str, culprits))
+    behind = stage_of(common)
+    if behind is not None and all((stage_of(c) or -1) > behind for c in theirs):
+        return f"; {who} went past that collective: skipped it, or the others call one extra"
+    return f"; {who} and the others call different collectives: one skipped, or one extra"
 
 
 def culprit_ranks(places: list[Place]) -> list[int]:
     """The ranks not in the collective most ranks wait in: those in none, when some wait; else
-    those in another one. None when no rank waits, or all wait in the same."""
+    those in another one. When two collectives tie, the ranks further along in the step (in
+    backward, past the forward's collective) are the ones not where the others wait; a tie that
+    cannot be broken names only the ranks in no collective. None when no rank waits, or all wait in
+    the same."""
+    common = where_most_wait(places)
+    if common is None:
+        return [rank for rank, p in enumerate(places) if p.collective is None and any(q.collective for q in places)]
+    return [rank for rank, p in enumerate(places) if p.collective != common]
+
+
+def where_most_wait(places: list[Place]) -> str | None:
+    """The collective most ranks wait in; on a tie, the one earliest in the step, where they are
+    behind the others; None when no rank waits, or the tie cannot be broken."""
     waiting = Counter(p.collective for p in places if p.collective)
     if not waiting:
-        return []
-    common = waiting.most_common(1)[0][0]
-    return [rank for rank, p in enumerate(places) if p.collective != common]
+        return None
+    most = max(waiting.values())
+    tied = [c for c, n in waiting.items() if n == most]
+    if len(tied) == 1:
+        return tied[0]
+    stages = [stage_of(c) for c in tied]
+    if None in stages or stages.count(min(stages)) > 1:
+        return None
+    return tied[stages.index(min(stages))]
+
+
+def stage_of(collective: str) -> int | None:
+    """How far into forward_backward a collective is: 0 in the forward, 1 in the backward, None elsewhere."""
+    return next((i for i, stage in enumerate(STAGES) if collective.endswith(stage)), None)
 
 
 def read_place(text: str) -> Place:
@@ -154,14 +199,18 @@ def is_ours(file: str) -> bool:
 
 def collective_of(frames: list[re.Match[str]]) -> str | None:
     """The collective the stack waits in: a torch.distributed call, or DDP's gradient all-reduce at
-    the end of a backward called from our forward_backward."""
+    the end of a backward called from our forward_backward. Within forward_backward it says where in
+    the step, (forward) or (backward), so a tie between two ranks can tell which one is ahead."""
+    own = next((m for m in frames if is_ours(m["file"])), None)
+    # autograd's entry to a backward, not any autograd frame: a Function's apply (SyncBatchNorm) runs in a forward
+    backward = any("torch/autograd/" in m["file"] and m["func"] in ("backward", "_engine_run_backward") for m in frames)
+    in_step = any(m["file"].endswith(OURS + "worker/step.py") and m["func"] == "forward_backward" for m in frames)
+    stage = f" {STAGES[1] if backward else STAGES[0]}" if in_step else ""
     for m in frames:
         if "torch/distributed/" in m["file"] and m["func"].split(".")[-1] in COLLECTIVES:
-            return f"torch.distributed {m['func'].split('.')[-1]}"
-    own = next((m for m in frames if is_ours(m["file"])), None)
-    backward = any("torch/autograd/" in m["file"] for m in frames)
+            return f"torch.distributed {m['func'].split('.')[-1]}{stage}"
     if backward and own is not None and own["file"].endswith(OURS + "worker/step.py") and own["func"] == "forward_backward":
-        return "DDP's gradient all-reduce (backward)"
+        return f"DDP's gradient all-reduce {STAGES[1]}"
     return None
 
 
