@@ -24,6 +24,9 @@ def test_gpu_run_uses_nccl_and_reports_gpu_memory(tmp_path):
     with open(tmp_path / "gpu" / "metrics.csv", newline="") as f:
         row = next(csv.DictReader(f))
     assert float(row["gpu_mem_peak_mib"]) > 0
+    with open(tmp_path / "gpu" / "rank_times.csv", newline="") as f:
+        parts = next(csv.DictReader(f))  # timed by CUDA events
+    assert float(parts["forward_s"]) > 0 and float(parts["backward_s"]) > 0, parts
 
 
 def test_gpu_fsdp_run_resumes_through_its_shards(tmp_path):

@@ -1,0 +1,51 @@
+"""The part clock (worker/part_clock.py) on a real DDP model in a one-rank process group: the parts
+add up to the micro-batches' time, and DDP's bucket hook splits backward from communication. On a
+GPU (NCCL, CUDA events) too, where there is one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raytrain_ddp.worker.part_clock import PARTS, PartClock
+from raytrain_ddp.worker.step import forward_backward
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_parts_add_up_and_only_a_synced_backward_has_communication(device: str, tmp_path):
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{tmp_path}/store",
+                            rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)).to(device))
+        parts = PartClock(model, torch.device(device))
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        x, y = torch.randn(512, 64, device=device), torch.randint(4, (512,), device=device)
+        parts.waited(0.25)
+        start = time.perf_counter()
+        for _ in range(5):
+            forward_backward(model, x, y, None, scaler, 0.0, weight=1.0, sync=True, parts=parts)
+        took = time.perf_counter() - start
+        synced = dict(zip(PARTS, parts.seconds()))
+        assert synced["data"] == 0.25
+        assert synced["forward"] > 0 and synced["backward"] > 0 and synced["comm"] > 0, synced
+        timed = synced["forward"] + synced["backward"] + synced["comm"]
+        assert timed <= took and (device == "cuda" or timed >= 0.5 * took), (synced, took)
+
+        forward_backward(model, x, y, None, scaler, 0.0, weight=1.0, sync=False, parts=parts)  # no_sync: no bucket
+        unsynced = dict(zip(PARTS, parts.seconds()))
+        assert unsynced["comm"] == synced["comm"] and unsynced["backward"] > synced["backward"]
+
+        mine = parts.gather(torch.device(device))
+        assert len(mine) == 1 and mine[0]["data"] == 0.25
+        parts.new_pass()
+        assert parts.seconds() == [0.0, 0.0, 0.0, 0.0]
+    finally:
+        dist.destroy_process_group()
