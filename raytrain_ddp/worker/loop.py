@@ -186,8 +186,6 @@ class Clock:
     """Since when training time has not been added to the state's."""
     last_update: float = 0.0
     """When rank 0 last told the display; 0 shows each pass's first micro-batch at once (timestamped)."""
-    data_wait: float = 0.0
-    """Seconds this pass waited for its data."""
 
     def __post_init__(self) -> None:
         self.tick = self.start
@@ -220,7 +218,6 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
         run.optimizer.zero_grad(set_to_none=True)
         for step in range(first, last + 1):  # gradients add up locally; the ranks sync them on the last only
             (inputs, labels), waited = next(batches)
-            clock.data_wait += waited
             run.parts.waited(waited)
             inputs, labels = to_device(inputs, labels, run.device)
             loss, logits = forward_backward(run.model, inputs, labels, run.amp_dtype, run.scaler, cfg.label_smoothing,
@@ -296,7 +293,7 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
     train = all_reduce_means(state.sums)
     val = evaluate(run.model, run.loaders.val, run.device, run.amp_dtype)
     state_mib = parallel.state_mib(run.model, run.optimizer)
-    resources = epoch_resources(run.device.type == "cuda", clock.data_wait, state.train_time, run.loaders.skipped(),
+    resources = epoch_resources(run.device.type == "cuda", run.parts.totals["data"], state.train_time, run.loaders.skipped(),
                                 run.world_size, run.device, state_mib)
     lr = cfg.lr * lr_factor(state.schedule, state.epoch * state.train_size, cfg.scheduler)  # the epoch's last step's
     row = epoch_row(state.epoch, train, val, lr, state.train_time, run.world_size, len(state.resizes), resources)
