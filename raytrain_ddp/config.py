@@ -27,6 +27,9 @@ LOADERS = ("torch", "ray")
 PROGRESS = ("auto", "rich", "plain", "none")
 STRATEGIES = ("ddp", "fsdp")
 SHARDINGS = ("full", "grad-op", "hybrid")
+STOP_GRACE_S = 30.0
+"""Seconds a stop (SIGTERM, SIGUSR1, Ctrl-C) waits for the ranks before it ends them, in `run` and
+`launch` alike (torchrun's agent waits 30 too)."""
 
 
 class ConfigError(ValueError):
@@ -154,7 +157,14 @@ class TrainConfig:
     """Seconds without a finished training step (validation and checkpoints not counted) after which
     the run is stalled: the driver dumps every rank's Python stack to <run dir>/stall/, names the rank
     that is not where the others wait, and fails the run at once instead of waiting out the collective
-    timeout. Default: the longer of 120 s and 10x the slowest recent step; 0 turns the watch off."""
+    timeout. Default: the longer of 120 s and 10x the slowest recent step; 0 turns the watch off.
+    Under --max-failures or --workers MIN:MAX a stall is a failure: the ranks are ended and restart
+    from the latest checkpoint (each stall's stacks in stall/, stall-2/, ...; listed in summary.json)."""
+    stop_grace_s: float = STOP_GRACE_S
+    """After SIGTERM, SIGUSR1 or Ctrl-C, seconds the ranks have to reach their next agreed step (the
+    time they spend writing a checkpoint not counted); past it the run is stalled: the driver dumps
+    every rank's stack to <run dir>/stall/, ends the ranks and stops anyway, keeping the last
+    checkpoint."""
 
     # --- run identity and outputs ---
     storage_path: str = "./runs"
@@ -203,7 +213,7 @@ class TrainConfig:
             raise ConfigError(f"--wait-for-resources must be 0 or more (got {self.wait_for_resources})")
         if self.weight_decay < 0:
             raise ConfigError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
-        for key in ("warmup_epochs", "clip_grad_norm"):
+        for key in ("warmup_epochs", "clip_grad_norm", "stop_grace_s"):
             if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
                 raise ConfigError(f"{_flag(key)} must be 0 or more (got {getattr(self, key)})")
         if self.warmup_epochs > self.epochs:

@@ -40,6 +40,8 @@ def test_every_field_has_a_docstring():
         ({"global_batch_size": 100}, "--global-batch-size 100 is not a multiple of --batch-size x --workers 2 = 128; pick a multiple, e.g. 128"),
         ({"global_batch_size": 256, "grad_accum": 2}, "give --global-batch-size or --grad-accum, not both"),
         ({"clip_grad_norm": -1}, "--clip-grad-norm must be 0 or more"),
+        ({"stop_grace_s": -1}, "--stop-grace-s must be 0 or more"),
+        ({"stop_grace_s": float("inf")}, "--stop-grace-s must be 0 or more"),
         ({"warmup_epochs": 4}, "--warmup-epochs 4.0 is longer than --epochs 3"),
         ({"label_smoothing": 1}, "--label-smoothing must be in"),
         ({"cpus_per_worker": 0}, "--cpus-per-worker must be at least 1"),

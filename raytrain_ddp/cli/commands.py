@@ -12,13 +12,14 @@ from typing import Optional
 import typer
 
 from raytrain_ddp.cli.options import train_options
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
+from raytrain_ddp.driver.core import Stopped
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
 from raytrain_ddp.driver.stall import Stalled
-from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED
+from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 
 
 @train_options
@@ -38,20 +39,28 @@ def run_command(
             # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
             # and the interpreter's teardown after it crashed the process 1 time in 5 (SIGSEGV, not
             # 130). The run's files are written; Ray ends a dead driver's job, and a local Ray with it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
+            end_now(EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except Stopped as err:
+        if not err.at_once:
+            raise  # cli.main says it and exits EXIT_STOPPED
+        print(f"stopped: {err}", file=sys.stderr)  # ranks that did not answer in time were ended; fit() may block
+        end_now(EXIT_STOPPED)
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        end_now(EXIT_FAILED)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
         f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
     )
+
+
+def end_now(code: int) -> None:
+    """Exit with `code` without the interpreter's teardown, which would wait on a fit() blocked in Ray."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @train_options(own_flags=("workers", "strategy", "sharding"))
@@ -81,7 +90,7 @@ def launch_command(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what each rank would run and Ray's configs; start nothing."),
     stop_grace_s: float = typer.Option(
-        30.0, "--stop-grace-s", help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
+        STOP_GRACE_S, "--stop-grace-s", help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
     ),
 ) -> None:
     """Run a torchrun-style script on N Ray workers: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set.

@@ -27,6 +27,11 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 class Stopped(Exception):
     """The run stopped early, as asked by SIGUSR1 or SIGTERM (after a checkpoint, where it makes them)."""
 
+    def __init__(self, message: str, at_once: bool = False) -> None:
+        super().__init__(message)
+        self.at_once = at_once
+        """The ranks did not answer in time and were ended: fit() may still block in Ray."""
+
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C: the run stopped (the first, after its ranks answered), or stopped at once (a second). A
@@ -35,7 +40,7 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, message: str, at_once: bool = False) -> None:
         super().__init__(message)
         self.at_once = at_once
-        """A second Ctrl-C: the run did not wait for its ranks."""
+        """A second Ctrl-C, or ranks that did not answer the first in time: the run did not wait for them."""
 
 
 class Signals:

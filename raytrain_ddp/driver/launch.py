@@ -20,20 +20,18 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import core, preflight, shipping
 from raytrain_ddp.driver.core import Signals, StartupClock, drive
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
-from raytrain_ddp.driver.session import ELASTIC_RETRIES, on_this_node, trainer_configs
+from raytrain_ddp.driver.session import on_this_node, restarts, trainer_configs
 from raytrain_ddp.driver.startup import LAUNCH_STAGES
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from raytrain_ddp.launch_records import AttemptStarted, LaunchOutcome, RankExit, StartupMarks, describe_exit, exit_status
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
-STOP_GRACE_S = 30.0
-"""Seconds a script has, after the forwarded signal, before SIGKILL (torchrun's agent waits 30 too)."""
 LAUNCH_FIELDS = (
     "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
     "max_failures", "wait_for_resources", "resize_check_s", "verbose",
@@ -159,7 +157,7 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
             "argv": target.argv(placement.shared),
             "cwd": str(Path.cwd()) if placement.shared else None,  # shipped: the copy Ray made
             "probe": str(target.file.relative_to(target.root)),
-            "max_restarts": cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0),  # what Ray Train allows
+            "max_restarts": restarts(cfg),
             "run_id": cfg.name,
             "run_dir": str(plan.run_dir),  # RAYTRAIN_RUN_DIR in the script's environment
             "stop_grace_s": stop_grace_s,

@@ -10,16 +10,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.config import TrainConfig, dumps
+from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
+from raytrain_ddp.config import ConfigError, TrainConfig, dumps
 from raytrain_ddp.driver import preflight, tracking
 from raytrain_ddp.driver.core import Interrupted, Signals, StartupClock, Stopped, drive, write_summary
 from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_json, write_parquet
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.progress import Display
 from raytrain_ddp.driver.resources import choose_layout
-from raytrain_ddp.driver.session import on_this_node, ray_address, trainer_configs
+from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.stall import StallWatch
 from raytrain_ddp.driver.stragglers import RANK_TIMES, most_uneven, stragglers, write_rank_times
@@ -89,7 +91,7 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     summary = None
     try:
         try:
-            error = drive(trainer, signals, news.poll, functools.partial(ask_to_stop, sink, display, plan), POLL_S)
+            error = drive(trainer, signals, news.poll, functools.partial(ask_to_stop, news, display, plan), POLL_S)
         finally:
             display.close()
         if error is not None:
@@ -112,9 +114,9 @@ def announce(plan: RunPlan, display: Display) -> None:
         )
 
 
-def ask_to_stop(sink: Any, display: Display, plan: RunPlan, name: str, before: list[str]) -> None:
-    """A signal, passed on: the ranks checkpoint at their next agreed step and stop. A second Ctrl-C
-    stops at once, without them."""
+def ask_to_stop(news: RunNews, display: Display, plan: RunPlan, name: str, before: list[str]) -> None:
+    """A signal, passed on: the ranks checkpoint at their next agreed step and stop, within
+    --stop-grace-s (RunNews.stop_overdue). A second Ctrl-C stops at once, without them."""
     if name == "SIGINT" and "SIGINT" in before:
         raise Interrupted(
             f"stopped at once by a second Ctrl-C, without a new checkpoint; {RESUME_HINT.format(name=plan.cfg.name)} "
@@ -124,7 +126,8 @@ def ask_to_stop(sink: Any, display: Display, plan: RunPlan, name: str, before: l
     label = "Ctrl-C" if name == "SIGINT" else name
     again = "; Ctrl-C again stops at once, without it" if name == "SIGINT" else ""
     display.print(f"got {label}: checkpointing at the next agreed step, then stopping{again}")
-    sink.request_stop.remote()
+    news.stop_asked(name)
+    news.sink.request_stop.remote()
 
 
 def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> dict[str, Any]:
@@ -150,11 +153,26 @@ def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> d
         profile=[line for _, line in sorted(info.get("profiles", {}).items())] or None,  # --profile, by rank
         most_uneven_epoch=most_uneven(info.get("rank_parts", {}), hosts(info)),  # every rank's parts, and stragglers
         resizes=[{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
+        stalls=[dataclasses.asdict(report) for report in news.stall.stalls],  # each one Ray Train restarted from
     )
 
 
 def hosts(info: dict[str, Any]) -> list[str]:
     return [r["hostname"] for r in info.get("ranks", [])]
+
+
+def kept(run_dir: Path, name: str) -> str:
+    """What a rerun of a run stopped without a new checkpoint starts from, and how to rerun it: a sentence."""
+    rerun = RESUME_HINT.format(name=name).removesuffix(" to resume")
+    try:
+        checkpoint = latest_checkpoint(run_dir)
+        saved = read_info(checkpoint) if checkpoint is not None else None
+    except ConfigError:  # an unreadable record: the rerun says so, not this stop
+        return f"The last checkpoint is kept: {rerun} to resume from it"
+    if checkpoint is None:
+        return f"No checkpoint was saved yet: {rerun} to start again"
+    where = f" (epoch {saved['epoch']} after {saved['position']} samples)" if saved else ""
+    return f"The last checkpoint, {checkpoint.name}{where}, is kept: {rerun} to resume from it"
 
 
 def resize_reason(event: dict[str, Any]) -> str:
@@ -184,10 +202,20 @@ class RunNews:
         self.tensorboard = tensorboard_writer(plan.run_dir) if plan.cfg.tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
-        self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print)
+        self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print, restarts(plan.cfg))
         self.stalled: BaseException | None = None
         self.stragglers: set[tuple[int, str]] = set()
         """(rank, part) of the stragglers named so far: each is said once, its epochs are in rank_times.csv."""
+        self.name, self.grace = plan.cfg.name, plan.cfg.stop_grace_s
+        self.stopping: str | None = None
+        """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
+        self.stop_waited = 0.0
+        """Seconds the ranks have not answered it, checkpoint writing not counted."""
+        self.polled = time.monotonic()
+
+    def stop_asked(self, name: str) -> None:
+        """A stop was passed on to the ranks: the grace counts from the first."""
+        self.stopping = self.stopping or name
 
     def poll(self) -> None:
         import ray
@@ -206,11 +234,30 @@ class RunNews:
             self.display.print(line)
         self.info, self.rows = info, rows
         self.display.update(info, step, rows)
+        now = time.monotonic()
+        since, self.polled = now - self.polled, now
         try:
             self.stall.check(info.get("ranks", []))
-        except Exception as err:
+            self.stop_overdue(info, since)
+        except (Exception, KeyboardInterrupt) as err:  # Stalled, Stopped; Interrupted is a KeyboardInterrupt
             self.stalled = err
             raise
+
+    def stop_overdue(self, info: dict[str, Any], since: float) -> None:
+        """Stop the run anyway when its ranks did not answer a stop within --stop-grace-s: a rank stuck
+        for good never reaches the agreed step. The stall report first, then the ranks are ended."""
+        if self.stopping is None or info.get("stopped_at"):
+            return
+        if info.get("phase") != "checkpoint":  # the stop's own checkpoint is the point of stopping
+            self.stop_waited += since
+        if self.stop_waited < self.grace:
+            return
+        label = "Ctrl-C" if self.stopping == "SIGINT" else self.stopping
+        late = f"{label} got no answer: the ranks reached no agreed step within --stop-grace-s {self.grace:g} s"
+        if info.get("ranks"):
+            late = f"{late}, so they were ended without a new checkpoint; {self.stall.report_now(info['ranks']).line}"
+        message = f"{late}. {kept(self.run_dir, self.name)}"
+        raise Interrupted(message, at_once=True) if self.stopping == "SIGINT" else Stopped(message, at_once=True)
 
     def new_rows(self, rows: list[dict[str, Any]]) -> None:
         write_csv(self.run_dir / "metrics.csv", rows)

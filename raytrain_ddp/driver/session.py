@@ -170,18 +170,22 @@ def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
         placement_strategy=cfg.placement.upper(),
         **elastic,
     )
-    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
-    # Node drains (preemption) have their own budget, without limit, and never use these up.
-    max_failures = cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
     run = RunConfig(
         name=cfg.name,
         storage_path=cfg.storage_path,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        failure_config=FailureConfig(max_failures=max_failures),
+        failure_config=FailureConfig(max_failures=restarts(cfg)),
         worker_runtime_env=worker_env(),
         **train_log_level("INFO" if cfg.verbose else "WARNING"),
     )
     return scaling, run, ProcessGroupConfig(backend=cfg.resolved_backend)
+
+
+def restarts(cfg: TrainConfig) -> int:
+    """The worker-group failures Ray Train restarts from (FailureConfig's max_failures)."""
+    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
+    # Node drains (preemption) have their own budget, without limit, and never use these up.
+    return cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
 
 
 def train_log_level(level: str) -> dict[str, Any]:

@@ -53,6 +53,7 @@ class Sink:
         epoch, position = (run.get("resumed_at") or [1, 0])[:2]
         self.rows = {e: row for e, row in self.rows.items() if e < epoch}
         self.last_step, self.beat = None, None  # the stall watch starts again at this group's first step
+        self.run["phase"] = None
         if previous is None:
             resizes = found
         else:
@@ -83,8 +84,9 @@ class Sink:
 
     def phase(self, name: str | None) -> None:
         """Rank 0 entered a phase that is no training step ("validation", "checkpoint"), or left it
-        (None): the stall watch does not count the time inside."""
+        (None): the stall watch does not count the time inside, nor a stop's grace a checkpoint's."""
         self.beat = None if name else time.time()
+        self.run["phase"] = name
 
     def quiet(self) -> tuple[float | None, list[float]]:
         """Seconds since the last beat (None: no step yet, or inside a phase), and the latest gaps between beats."""

@@ -1,6 +1,9 @@
 """`raytrain run`'s stall watch: when no rank has finished a training step for --stall-timeout
 seconds, dump every rank's Python stack with py-spy, say where each rank is and which one the others
 wait for, end the ranks and fail the run, instead of waiting out the collective's timeout (30 min).
+Where Ray Train may restart the worker group (--max-failures, an elastic run), a stall is one such
+failure: the ranks are ended and the group restarts from the latest checkpoint. A stop the ranks do
+not answer in time (run.py) gets the same report.
 
 A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, and
 the ends of validation and checkpoints, which are not stalls). Under DDP rank 0 cannot finish a step
@@ -15,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,14 +70,33 @@ def stall_limit(timeout: float | None, gaps: list[float]) -> float | None:
     return timeout if timeout is not None else max(MIN_STALL_S, SLOW_STEPS * max(gaps, default=0.0))
 
 
-class StallWatch:
-    """Asks the sink how long rank 0 has been silent, and diagnoses a stall once."""
+@dataclass(frozen=True)
+class Report:
+    """One diagnosed stall, as summary.json's `stalls` lists it."""
 
-    def __init__(self, sink: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None]) -> None:
-        self.sink, self.timeout, self.run_dir, self.say = sink, timeout, Path(run_dir), say
+    at: float
+    """When it was diagnosed (time.time())."""
+    quiet_s: float | None
+    """Seconds rank 0 had finished no training step (None: it was inside a validation or checkpoint)."""
+    culprits: list[int]
+    """The ranks not where the others wait."""
+    line: str
+    """The verdict: who is where."""
+    stacks: str
+    """The folder of the ranks' stacks: stall/ for the run's first, stall-2/ for its second, ..."""
+
+
+class StallWatch:
+    """Asks the sink how long rank 0 has been silent, and diagnoses each stall: the first one past
+    `restarts` fails the run; the ones before are failures Ray Train restarts the group from."""
+
+    def __init__(self, sink: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None], restarts: int = 0) -> None:
+        self.sink, self.timeout, self.run_dir, self.say, self.restarts = sink, timeout, Path(run_dir), say, restarts
+        self.stalls: list[Report] = []
+        """The stalls the run recovered from (and the last, if it failed it)."""
 
     def check(self, ranks: list[dict[str, Any]]) -> None:
-        """Raise Stalled, after the diagnosis, when the run is stalled."""
+        """Raise Stalled, after the diagnosis, when the run is stalled and may not restart."""
         if self.timeout == 0 or not ranks:
             return
         import ray
@@ -85,20 +108,38 @@ class StallWatch:
         stacks = dump_stacks(ranks)
         if not any(map(is_stack, stacks)):
             # No rank's process is there: Ray Train is ending or restarting the worker group (a
-            # failure, a resize), which is no stall. Count again from now; the new group's start
-            # (sink.start) restarts the count anyway.
+            # failure, a resize, our own end of a stalled group), which is no stall. Count again from
+            # now; the new group's start (sink.start) restarts the count anyway.
             self.sink.phase.remote(None)
             return
-        raise diagnose(ranks, stacks, quiet, self.run_dir, self.say)
+        report = diagnose(ranks, stacks, quiet, self.folder(), self.say)
+        self.stalls.append(report)
+        if len(self.stalls) > self.restarts:
+            raise Stalled(report.line)
+        self.sink.phase.remote(None)  # the ended group is silent too: count from now, not from the stall
+        self.say(f"{report.line}; the ranks were ended: Ray Train restarts them from the latest checkpoint "
+                 f"(stall {len(self.stalls)}; it restarts at most {self.restarts} failed worker groups)")
+
+    def report_now(self, ranks: list[dict[str, Any]]) -> Report:
+        """Diagnose the ranks as stalled now, whatever the timeout (the watch may be off): a stop
+        they did not answer in time."""
+        import ray
+
+        quiet, _ = ray.get(self.sink.quiet.remote())
+        return diagnose(ranks, dump_stacks(ranks), quiet, self.folder(), self.say)
+
+    def folder(self) -> Path:
+        """Where the next stall's stacks go: each stall keeps its own."""
+        return self.run_dir / ("stall" if not self.stalls else f"stall-{len(self.stalls) + 1}")
 
 
-def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float, run_dir: Path, say: Callable[[str], None]) -> Stalled:
-    """Write every rank's stack to <run dir>/stall/rankN.txt, say where each is, end the ranks, and
-    return the error that names the rank the others wait for."""
-    folder = run_dir / "stall"
+def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None, folder: Path,
+             say: Callable[[str], None]) -> Report:
+    """Write every rank's stack to `folder`/rankN.txt, say where each is, end the ranks, and return
+    the report that names the rank the others wait for."""
     folder.mkdir(parents=True, exist_ok=True)
     places = []
-    say(f"stalled: no rank finished a training step for {quiet:.0f} s; every rank's stack -> {folder}")
+    say(f"stalled: {silence(quiet)}; every rank's stack -> {folder}")
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
         (folder / f"rank{rank}.txt").write_text(text)
         place = read_place(text)
@@ -106,12 +147,18 @@ def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float, run_d
         waits = f"waits in {place.collective}" if place.collective else "waits in no collective"
         say(f"  rank {rank} on {where['hostname']} pid {where['pid']}: {place.frame}; {waits}")
     end_ranks(ranks)
-    return Stalled(verdict(ranks, places, quiet, folder))
+    return Report(time.time(), quiet, culprit_ranks(places), verdict(ranks, places, quiet, folder), str(folder))
 
 
-def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float, folder: Path) -> str:
+def silence(quiet: float | None) -> str:
+    if quiet is None:
+        return "rank 0 is inside a validation or a checkpoint"
+    return f"no rank finished a training step for {quiet:.0f} s"
+
+
+def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float | None, folder: Path) -> str:
     """The one line: which rank(s) are not where the others wait, and where they are."""
-    head = f"the run stalled (no training step for {quiet:.0f} s)"
+    head = "the run stalled" if quiet is None else f"the run stalled (no training step for {quiet:.0f} s)"
     common = where_most_wait(places)
     if common is None and len({p.collective for p in places if p.collective}) > 1:
         each = ", ".join(f"rank {r} in {p.collective or 'no collective'} at {p.frame}" for r, p in enumerate(places))
