@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
@@ -38,15 +38,11 @@ def run_command(
             # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
             # and the interpreter's teardown after it crashed the process 1 time in 5 (SIGSEGV, not
             # 130). The run's files are written; Ray ends a dead driver's job, and a local Ray with it.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_INTERRUPTED)
+            exit_at_once(EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        exit_at_once(EXIT_FAILED)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
@@ -93,7 +89,30 @@ def launch_command(
     from raytrain_ddp.driver.launch import find_target, launch
 
     target = find_target(script, module, args or [])
-    raise typer.Exit(launch(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started()))
+    try:
+        code = launch(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started())
+    except Stalled as err:  # the scripts are killed, but fit() may block in Ray: end now
+        print(f"error: {err}", file=sys.stderr)
+        exit_at_once(EXIT_FAILED)
+    raise typer.Exit(code)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Exit now, without the interpreter's teardown, which would wait for fit() in Ray (and may crash
+    there); Ray ends a dead driver's job, and a private local Ray with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stack_command(
+    name: Optional[str] = typer.Argument(None, metavar="[NAME]", help="The run's name. Default: the run under --storage-path that started ranks last."),
+    storage_path: str = typer.Option("./runs", "--storage-path", help="Where the run's directory is (as the run's --storage-path)."),
+) -> None:
+    """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
+    from raytrain_ddp.driver.stack import show_stacks
+
+    show_stacks(storage_path, name)
 
 
 RUN_DIR = typer.Argument(..., help="A run directory: <storage-path>/<name>.")

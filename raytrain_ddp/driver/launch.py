@@ -23,6 +23,7 @@ from raytrain_ddp import ray_compat
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver import core, preflight, shipping
 from raytrain_ddp.driver.core import Signals, StartupClock, drive
+from raytrain_ddp.driver.launch_stall import StackWatch
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import ELASTIC_RETRIES, on_this_node, trainer_configs
@@ -36,7 +37,7 @@ STOP_GRACE_S = 30.0
 """Seconds a script has, after the forwarded signal, before SIGKILL (torchrun's agent waits 30 too)."""
 LAUNCH_FIELDS = (
     "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
-    "max_failures", "wait_for_resources", "resize_check_s", "verbose",
+    "max_failures", "wait_for_resources", "resize_check_s", "verbose", "stall_timeout",
 )
 """The TrainConfig fields `raytrain launch` takes: where and how many, never what to train."""
 
@@ -172,8 +173,14 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
     say(f"{plan.world} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {plan.run_dir / 'logs'}/rank-N.log")
     printer = Printer(hub, plan.run_dir / "logs", shown, clock)
+    watch = StackWatch(hub, cfg.stall_timeout, plan.run_dir, say)
+
+    def news() -> None:
+        printer.drain()
+        watch.poll()  # raises Stalled, after it killed the scripts
+
     try:
-        error = drive(trainer, signals, printer.drain, functools.partial(forward, hub, stop_grace_s), POLL_S)
+        error = drive(trainer, signals, news, functools.partial(forward, hub, stop_grace_s), POLL_S)
     finally:
         printer.close()
     outcome = ray.get(hub.outcome.remote())
