@@ -40,6 +40,9 @@ class StackWatch:
         self.since: list[float] = []
         """Since when (time.monotonic()) each rank's stack has been the one in `stacks`."""
         self.next_look = 0.0
+        self.read = False
+        """Whether a look read any stack of this worker group's scripts."""
+        self.told_blind = False
         self.stalled: Stalled | None = None
 
     def poll(self) -> None:
@@ -51,13 +54,17 @@ class StackWatch:
             raise self.stalled
         ranks = ray.get(self.hub.ranks.remote())
         if ranks != self.ranks:  # a new attempt (or its end): count from nothing
-            self.ranks, self.stacks, self.since = ranks, [], []
+            self.ranks, self.stacks, self.since, self.read = ranks, [], [], False
             if ranks:
                 write_workers(self.run_dir, ranks)
         if self.limit is None or not ranks or time.monotonic() < self.next_look:
             return
         self.next_look = time.monotonic() + between_looks(self.limit)
         texts = dump_stacks(ranks, glance)
+        if not self.read and not any(map(is_stack, texts)) and not self.told_blind:
+            self.told_blind = True  # py-spy missing, or not allowed to read other processes (ptrace)
+            self.say(f"the stall watch cannot read the scripts' stacks, so it will see no stall: {texts[0].splitlines()[0]}")
+        self.read = self.read or any(map(is_stack, texts))
         still = self.still_for(texts)
         if still >= self.limit and any(read_place(text).collective for text in texts):
             self.stalled = diagnose(ranks, texts, still, self.run_dir, self.say, silence="no rank's Python stack changed")
