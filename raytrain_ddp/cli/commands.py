@@ -106,8 +106,12 @@ def exit_at_once(code: int) -> NoReturn:
 
 
 def stack_command(
-    name: Optional[str] = typer.Argument(None, metavar="[NAME]", help="The run's name. Default: the run under --storage-path that started ranks last."),
-    storage_path: str = typer.Option("./runs", "--storage-path", help="Where the run's directory is (as the run's --storage-path)."),
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", help="The run's name. Default: the run under --storage-path that started ranks last."
+    ),
+    storage_path: str = typer.Option(
+        "./runs", "--storage-path", help="Where the run's directory is (as the run's --storage-path)."
+    ),
 ) -> None:
     """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
     from raytrain_ddp.driver.stack import show_stacks

@@ -5,6 +5,9 @@ wait for, end the ranks and fail the run, instead of waiting out the collective'
 A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, and
 the ends of validation and checkpoints, which are not stalls). Under DDP rank 0 cannot finish a step
 while any rank is stuck, so its silence is the world's.
+
+How a stack is read, the diagnosis and the kill serve `raytrain launch`'s watch too (launch_stall.py),
+and the reading `raytrain stack` (stack.py).
 """
 
 from __future__ import annotations
