@@ -53,10 +53,8 @@ class StackWatch:
         if self.stalled is not None:  # the core's last poll, after the stall ended the watch
             raise self.stalled
         ranks = ray.get(self.hub.ranks.remote())
-        if ranks != self.ranks:  # a new attempt (or its end): count from nothing
-            self.ranks, self.stacks, self.since, self.read = ranks, [], [], False
-            if ranks:
-                write_workers(self.run_dir, ranks)
+        if ranks != self.ranks:
+            self.new_group(ranks)
         if self.limit is None or not ranks or time.monotonic() < self.next_look:
             return
         self.next_look = time.monotonic() + between_looks(self.limit)
@@ -69,6 +67,15 @@ class StackWatch:
         if still >= self.limit and any(read_place(text).collective for text in texts):
             self.stalled = diagnose(ranks, texts, still, self.run_dir, self.say, silence="no rank's Python stack changed")
             raise self.stalled
+
+    def new_group(self, ranks: list[dict[str, Any]]) -> None:
+        """A new attempt's scripts (or the end of one's): note where they run, and count from nothing."""
+        self.ranks, self.stacks, self.since, self.read = ranks, [], [], False
+        if ranks:
+            write_workers(self.run_dir, ranks)
+        # The first look a while after the scripts started: py-spy cannot read an interpreter that
+        # is still starting, which would read as a watch that cannot see.
+        self.next_look = time.monotonic() + between_looks(self.limit or 0)
 
     def still_for(self, texts: list[str]) -> float:
         """Seconds for which no rank's stack changed, as far as the looks tell."""
