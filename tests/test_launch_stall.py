@@ -100,3 +100,14 @@ def test_a_stall_counts_from_the_last_change_of_any_rank_and_a_missing_stack_res
     assert watch.still_for([STILL.format(line=1), STILL.format(line=3)]) < 0.05  # rank 1 moved
     assert watch.still_for([STILL.format(line=1), "py-spy failed (exit 1): no such process"]) == 0.0
     assert watch.still_for([STILL.format(line=1), STILL.format(line=3)]) == 0.0  # counting again from here
+
+
+@pytest.mark.e2e
+def test_a_watch_that_cannot_read_the_scripts_says_so_once_and_fails_nothing(ray_head, tmp_path: Path):
+    """Each rank's script becomes a process py-spy cannot read (as where py-spy lacks the right to
+    attach): one line says the watch is blind, and the launch ends as the scripts do."""
+    (tmp_path / "blind.py").write_text('import os\nos.execv("/bin/sleep", ["sleep", "6"])\n')
+    proc = raytrain("launch", "--workers", "2", "--stall-timeout", "4", "--storage-path", str(tmp_path / "runs"),
+                    "blind.py", env=ray_head.env, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("raytrain: the stall watch cannot read the scripts' stacks, so it will see no stall: ") == 1
