@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit, verdict
+from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit, training_stack, verdict
 
 HANGS_PY = """\
 import threading
@@ -176,3 +176,44 @@ def test_a_group_whose_processes_are_gone_is_no_stall():
     assert not is_stack("py-spy failed (exit 1): Failed to find process 4242")
     assert not is_stack("no answer from 10.0.0.2: timeout")
     assert not is_stack("py-spy not run: the rank's node is not alive in Ray")
+
+
+LAUNCHED_IN_ALL_REDUCE = """\
+Process 41: /venv/bin/python /tmp/x/train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 42 (idle): "pin_memory"
+    Condition.wait (/usr/lib/python3.11/threading.py:327)
+    _pin_memory_loop (/venv/lib/python3.11/site-packages/torch/utils/data/_utils/pin_memory.py:50)
+Thread 41 (idle): "MainThread"
+    all_reduce (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:3913)
+    _exception_logger.<locals>.wrapper (/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83)
+    main (/tmp/x/train.py:9)
+    <module> (/tmp/x/train.py:11)
+"""
+LAUNCHED_IN_BACKWARD = """\
+Thread 51 (idle): "MainThread"
+    _engine_run_backward (/venv/lib/python3.11/site-packages/torch/autograd/graph.py:1072)
+    backward (/venv/lib/python3.11/site-packages/torch/autograd/__init__.py:395)
+    Tensor.backward (/venv/lib/python3.11/site-packages/torch/_tensor.py:623)
+    main (/tmp/x/train.py:12)
+"""
+LAUNCHED_IN_ITS_OWN_BACKWARD = """\
+Thread 61 (idle): "MainThread"
+    Event.wait (/usr/lib/python3.11/threading.py:629)
+    Hangs.backward (/tmp/x/train.py:30)
+    Function.apply (/venv/lib/python3.11/site-packages/torch/autograd/function.py:307)
+    backward (/venv/lib/python3.11/site-packages/torch/autograd/__init__.py:395)
+    Tensor.backward (/venv/lib/python3.11/site-packages/torch/_tensor.py:623)
+    main (/tmp/x/train.py:12)
+"""
+
+
+def test_a_launched_scripts_stack_reads_as_its_main_threads():
+    """No thread runs our loop in a launched script: its main thread trains, wherever py-spy lists it."""
+    assert read_place(LAUNCHED_IN_ALL_REDUCE) == Place("/tmp/x/train.py:9 in main", "torch.distributed all_reduce")
+    assert training_stack(LAUNCHED_IN_ALL_REDUCE)[-1] == ("<module>", "/tmp/x/train.py", "11")
+    # Its loss.backward() waits for DDP's all-reduce; a backward of its own that hangs waits for nobody.
+    assert read_place(LAUNCHED_IN_BACKWARD) == Place("/tmp/x/train.py:12 in main", "a backward (DDP's gradient all-reduce)")
+    assert read_place(LAUNCHED_IN_ITS_OWN_BACKWARD) == Place("/tmp/x/train.py:30 in Hangs.backward", None)
+    assert training_stack("py-spy failed (exit 1): Permission denied") == ()

@@ -26,6 +26,7 @@ from raytrain_ddp.cli.commands import (
     launch_command,
     run_command,
     scale_command,
+    stack_command,
     verify_command,
 )
 from raytrain_ddp.cli.data import convert_command
@@ -66,6 +67,7 @@ add(app, "submit", submit_command, context_settings=REST_IS_THE_SCRIPTS)
 add(app, "status", status_command)
 add(app, "logs", logs_command)
 add(app, "stop", stop_command)
+add(app, "stack", stack_command)
 add(app, "verify", verify_command)
 add(app, "export", export_command)
 add(app, "check", check_command)

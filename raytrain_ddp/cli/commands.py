@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 
@@ -39,28 +39,21 @@ def run_command(
             # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
             # and the interpreter's teardown after it crashed the process 1 time in 5 (SIGSEGV, not
             # 130). The run's files are written; Ray ends a dead driver's job, and a local Ray with it.
-            end_now(EXIT_INTERRUPTED)
+            exit_at_once(EXIT_INTERRUPTED)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except Stopped as err:
         if not err.at_once:
             raise  # cli.main says it and exits EXIT_STOPPED
         print(f"stopped: {err}", file=sys.stderr)  # ranks that did not answer in time were ended; fit() may block
-        end_now(EXIT_STOPPED)
+        exit_at_once(EXIT_STOPPED)
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
-        end_now(EXIT_FAILED)
+        exit_at_once(EXIT_FAILED)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
         f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
     )
-
-
-def end_now(code: int) -> None:
-    """Exit with `code` without the interpreter's teardown, which would wait on a fit() blocked in Ray."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @train_options(own_flags=("workers", "strategy", "sharding"))
@@ -102,7 +95,34 @@ def launch_command(
     from raytrain_ddp.driver.launch import find_target, launch
 
     target = find_target(script, module, args or [])
-    raise typer.Exit(launch(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started()))
+    try:
+        code = launch(cfg, target, show_ranks, dry_run, stop_grace_s, launched=process_started())
+    except Stalled as err:  # the scripts are killed, but fit() may block in Ray: end now
+        print(f"error: {err}", file=sys.stderr)
+        exit_at_once(EXIT_FAILED)
+    raise typer.Exit(code)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Exit now, without the interpreter's teardown, which would wait for fit() in Ray (and may crash
+    there); Ray ends a dead driver's job, and a private local Ray with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stack_command(
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", help="The run's name. Default: the run under --storage-path that started ranks last."
+    ),
+    storage_path: str = typer.Option(
+        "./runs", "--storage-path", help="Where the run's directory is (as the run's --storage-path)."
+    ),
+) -> None:
+    """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
+    from raytrain_ddp.driver.stack import show_stacks
+
+    show_stacks(storage_path, name)
 
 
 RUN_DIR = typer.Argument(..., help="A run directory: <storage-path>/<name>.")

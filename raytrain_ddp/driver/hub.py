@@ -46,6 +46,8 @@ class Attempt:
     world_size: int
     peers: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Each rank's rendezvous info (worker/agent.py's `whereabouts`), by rank."""
+    scripts: dict[int, int] = field(default_factory=dict)
+    """Each rank's script pid, by rank, once its agent started it."""
     exits: dict[int, RankExit] = field(default_factory=dict)
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once every rank joined."""
@@ -104,6 +106,19 @@ class LaunchHub:
         if not self.told_startup:
             self.told_startup = True
             self.events.append(StartupMarks(marks))
+
+    def script_started(self, key: str, rank: int, pid: int) -> None:
+        self.attempts[key].scripts[rank] = pid
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """Where each rank's script runs (hostname, ip, pid), by rank, while the last attempt runs
+        with every script started and none ended (the stall watch's and `raytrain stack`'s ranks);
+        else none."""
+        attempt = self.last
+        if attempt is None or attempt.exits or len(attempt.scripts) < attempt.world_size:
+            return []
+        return [{"hostname": attempt.peers[r]["hostname"], "ip": attempt.peers[r]["ip"], "pid": attempt.scripts[r]}
+                for r in range(attempt.world_size)]
 
     def output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         self.events.extend(OutputLine(rank, stream, text) for stream, text in lines)

@@ -23,6 +23,7 @@ from raytrain_ddp import ray_compat
 from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import core, preflight, shipping
 from raytrain_ddp.driver.core import Signals, StartupClock, drive
+from raytrain_ddp.driver.launch_stall import StackWatch
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, restarts, trainer_configs
@@ -34,7 +35,7 @@ POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
 LAUNCH_FIELDS = (
     "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
-    "max_failures", "wait_for_resources", "resize_check_s", "verbose",
+    "max_failures", "wait_for_resources", "resize_check_s", "verbose", "stall_timeout",
 )
 """The TrainConfig fields `raytrain launch` takes: where and how many, never what to train."""
 
@@ -170,8 +171,14 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
     say(f"{plan.world} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {plan.run_dir / 'logs'}/rank-N.log")
     printer = Printer(hub, plan.run_dir / "logs", shown, clock)
+    watch = StackWatch(hub, cfg.stall_timeout, plan.run_dir, say)
+
+    def news() -> None:
+        printer.drain()
+        watch.poll()  # raises Stalled, after it killed the scripts
+
     try:
-        error = drive(trainer, signals, printer.drain, functools.partial(forward, hub, stop_grace_s), POLL_S)
+        error = drive(trainer, signals, news, functools.partial(forward, hub, stop_grace_s), POLL_S)
     finally:
         printer.close()
     outcome = ray.get(hub.outcome.remote())

@@ -17,12 +17,13 @@ from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
 from raytrain_ddp.driver import preflight, tracking
 from raytrain_ddp.driver.core import Interrupted, Signals, StartupClock, Stopped, drive, write_summary
-from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_json, write_parquet
+from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.progress import Display
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
+from raytrain_ddp.driver.stack import write_workers
 from raytrain_ddp.driver.stall import StallWatch
 from raytrain_ddp.driver.stragglers import RANK_TIMES, most_uneven, stragglers, write_rank_times
 from raytrain_ddp.driver.startup import RUN_STAGES
@@ -226,8 +227,8 @@ class RunNews:
         if rows != self.rows:
             self.new_rows(rows)
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):
-            # Which pid on which host is which rank: for the user (and for tests that kill one).
-            write_json(self.run_dir / "workers.json", {"ranks": info["ranks"]})
+            # Which pid on which host is which rank: for the user, `raytrain stack` (and tests that kill one).
+            write_workers(self.run_dir, info["ranks"])
         if info.get("rank_parts") and info["rank_parts"] != self.info.get("rank_parts"):
             write_rank_times(self.run_dir / RANK_TIMES, info["rank_parts"], hosts(info))
         for line in self.lines(info):

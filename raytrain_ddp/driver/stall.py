@@ -8,6 +8,9 @@ not answer in time (run.py) gets the same report.
 A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, and
 the ends of validation and checkpoints, which are not stalls). Under DDP rank 0 cannot finish a step
 while any rank is stuck, so its silence is the world's.
+
+How a stack is read, the diagnosis and the kill serve `raytrain launch`'s watch too (launch_stall.py),
+and the reading `raytrain stack` (stack.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ COLLECTIVES = {
     "scatter", "send", "recv", "wait",
 }
 """torch.distributed's functions that wait for the other ranks."""
+STEP_SILENCE = "no rank finished a training step"
+"""What a stalled `raytrain run` did not do (launch's watch says its own)."""
 STAGES = ("(forward)", "(backward)")
 """Where in forward_backward a rank waits, in the order a step passes them."""
 
@@ -134,12 +139,13 @@ class StallWatch:
 
 
 def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None, folder: Path,
-             say: Callable[[str], None]) -> Report:
+             say: Callable[[str], None], silence: str = STEP_SILENCE) -> Report:
     """Write every rank's stack to `folder`/rankN.txt, say where each is, end the ranks, and return
-    the report that names the rank the others wait for."""
+    the report that names the rank the others wait for. `silence`: what did not happen for `quiet`
+    seconds (a launched script has no steps: its stacks did not change)."""
     folder.mkdir(parents=True, exist_ok=True)
     places = []
-    say(f"stalled: {silence(quiet)}; every rank's stack -> {folder}")
+    say(f"stalled: {silent_for(silence, quiet)}; every rank's stack -> {folder}")
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
         (folder / f"rank{rank}.txt").write_text(text)
         place = read_place(text)
@@ -147,18 +153,19 @@ def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None
         waits = f"waits in {place.collective}" if place.collective else "waits in no collective"
         say(f"  rank {rank} on {where['hostname']} pid {where['pid']}: {place.frame}; {waits}")
     end_ranks(ranks)
-    return Report(time.time(), quiet, culprit_ranks(places), verdict(ranks, places, quiet, folder), str(folder))
+    return Report(time.time(), quiet, culprit_ranks(places), verdict(ranks, places, quiet, folder, silence), str(folder))
 
 
-def silence(quiet: float | None) -> str:
+def silent_for(silence: str, quiet: float | None) -> str:
     if quiet is None:
         return "rank 0 is inside a validation or a checkpoint"
-    return f"no rank finished a training step for {quiet:.0f} s"
+    return f"{silence} for {quiet:.0f} s"
 
 
-def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float | None, folder: Path) -> str:
+def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float | None, folder: Path,
+            silence: str = STEP_SILENCE) -> str:
     """The one line: which rank(s) are not where the others wait, and where they are."""
-    head = "the run stalled" if quiet is None else f"the run stalled (no training step for {quiet:.0f} s)"
+    head = "the run stalled" if quiet is None else f"the run stalled ({silence} for {quiet:.0f} s)"
     common = where_most_wait(places)
     if common is None and len({p.collective for p in places if p.collective}) > 1:
         each = ", ".join(f"rank {r} in {p.collective or 'no collective'} at {p.frame}" for r, p in enumerate(places))
@@ -221,15 +228,28 @@ def stage_of(collective: str) -> int | None:
 
 
 def read_place(text: str) -> Place:
-    """Where a `py-spy dump` says the rank's training thread is (the thread running our loop)."""
-    threads = [[FRAME.match(line) for line in block.splitlines()[1:]] for block in re.split(r"^Thread ", text, flags=re.M)[1:]]
-    threads = [[m for m in frames if m] for frames in threads]
-    loop = [frames for frames in threads if any(OURS + "worker/" in m["file"] for m in frames)]
-    frames = (loop or threads or [[]])[0]
+    """Where a `py-spy dump` says the rank's training thread is (training_frames)."""
+    frames = training_frames(text)
     if not frames:
         return Place("no Python stack (py-spy failed, see the rank's file)", None)
     own = next((m for m in frames if is_ours(m["file"])), frames[0])
     return Place(f"{own['file']}:{own['line']} in {own['func']}", collective_of(frames))
+
+
+def training_frames(text: str) -> list[re.Match[str]]:
+    """The frames, innermost first, of the thread that trains: the one running our loop (`raytrain
+    run`), else the main thread (a launched script's), else the first; none where py-spy failed."""
+    blocks = [block.splitlines() for block in re.split(r"^Thread ", text, flags=re.M)[1:]]
+    threads = [(lines[0], [m for m in map(FRAME.match, lines[1:]) if m]) for lines in blocks]
+    loop = [frames for _, frames in threads if any(OURS + "worker/" in m["file"] for m in frames)]
+    main = [frames for head, frames in threads if head.endswith('"MainThread"')]
+    return (loop or main or [frames for _, frames in threads] or [[]])[0]
+
+
+def training_stack(text: str) -> tuple[tuple[str, str, str], ...]:
+    """The training thread's frames as (function, file, line): what `raytrain launch`'s watch
+    compares between two looks at a rank (launch_stall.py)."""
+    return tuple((m["func"], m["file"], m["line"]) for m in training_frames(text))
 
 
 def is_stack(text: str) -> bool:
@@ -246,24 +266,31 @@ def is_ours(file: str) -> bool:
 
 def collective_of(frames: list[re.Match[str]]) -> str | None:
     """The collective the stack waits in: a torch.distributed call, or DDP's gradient all-reduce at
-    the end of a backward called from our forward_backward. Within forward_backward it says where in
-    the step, (forward) or (backward), so a tie between two ranks can tell which one is ahead."""
+    the end of a backward called from our forward_backward or from a launched script's code. Within
+    forward_backward it says where in the step, (forward) or (backward), so a tie between two ranks
+    can tell which one is ahead."""
     own = next((m for m in frames if is_ours(m["file"])), None)
     # autograd's entry to a backward, not any autograd frame: a Function's apply (SyncBatchNorm) runs in a forward
-    backward = any("torch/autograd/" in m["file"] and m["func"] in ("backward", "_engine_run_backward") for m in frames)
+    entry = next((i for i, m in enumerate(frames) if "torch/autograd/" in m["file"]
+                  and m["func"] in ("backward", "_engine_run_backward")), None)
     in_step = any(m["file"].endswith(OURS + "worker/step.py") and m["func"] == "forward_backward" for m in frames)
-    stage = f" {STAGES[1] if backward else STAGES[0]}" if in_step else ""
+    stage = f" {STAGES[1] if entry is not None else STAGES[0]}" if in_step else ""
     for m in frames:
         if "torch/distributed/" in m["file"] and m["func"].split(".")[-1] in COLLECTIVES:
             return f"torch.distributed {m['func'].split('.')[-1]}{stage}"
-    if backward and own is not None and own["file"].endswith(OURS + "worker/step.py") and own["func"] == "forward_backward":
+    if entry is not None and own is not None and own["file"].endswith(OURS + "worker/step.py") and own["func"] == "forward_backward":
         return f"DDP's gradient all-reduce {STAGES[1]}"
+    # A launched script's loss.backward(): its own frame calls the backward, none runs inside it (a
+    # custom autograd Function's backward that hangs is no wait for the others).
+    if entry is not None and own is not None and OURS not in own["file"] and frames.index(own) > entry:
+        return "a backward (DDP's gradient all-reduce)"
     return None
 
 
-def dump_stacks(ranks: list[dict[str, Any]]) -> list[str]:
-    """Every rank's `py-spy dump`: here for the ranks on this host, by a task on its node for the others."""
-    asks = on_each_rank(ranks, py_spy)
+def dump_stacks(ranks: list[dict[str, Any]], dump: Callable[[int], str] | None = None) -> list[str]:
+    """Every rank's `py-spy dump` (or `dump`'s, e.g. glance): here for the ranks on this host, by a
+    task on its node for the others."""
+    asks = on_each_rank(ranks, dump or py_spy)
     return [ask if isinstance(ask, str) else fetch(ask, f"no answer from {r['ip']}") for ask, r in zip(asks, ranks)]
 
 
@@ -303,20 +330,28 @@ def fetch(ref: Any, failed: str) -> str:
         return f"{failed}: {err}"
 
 
-def py_spy(pid: int) -> str:
-    """`py-spy dump --pid PID` on this host (py-spy comes with ray[default]), or why it failed."""
+def py_spy(pid: int, pause: bool = True) -> str:
+    """`py-spy dump --pid PID` on this host (py-spy comes with ray[default]), or why it failed.
+    `pause=False` (--nonblocking) reads the stack without stopping the process: two paused dumps of
+    one process at once fail (only one may attach), and an unpaused one costs the rank nothing."""
     exe = Path(sys.executable).with_name("py-spy")
     exe = str(exe) if exe.exists() else shutil.which("py-spy")
     if exe is None:
         return "py-spy failed: not found next to the Python interpreter nor on PATH (pip install py-spy)"
     try:
-        done = subprocess.run([exe, "dump", "--full-filenames", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=PY_SPY_TIMEOUT_S)
+        done = subprocess.run([exe, "dump", "--full-filenames", *([] if pause else ["--nonblocking"]), "--pid", str(pid)],
+                              capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"py-spy failed: no dump of pid {pid} within {PY_SPY_TIMEOUT_S:.0f} s"
     if done.returncode != 0:
         return f"py-spy failed (exit {done.returncode}): {done.stderr.strip() or done.stdout.strip()}"
     return done.stdout
+
+
+def glance(pid: int) -> str:
+    """`py_spy` without pausing the rank: for looks every few seconds, and for `raytrain stack`, which
+    may look while a watch does. A moving rank may read torn; a still one reads true."""
+    return py_spy(pid, pause=False)
 
 
 def kill(pid: int) -> None:

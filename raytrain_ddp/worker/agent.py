@@ -158,6 +158,7 @@ def run_script(loop_config: dict[str, Any]) -> None:
         error_file, loop_config.get("run_dir"),
     )
     child = Child(argv, cwd, env, loop_config["stop_grace_s"])
+    hub.script_started.remote(key, rank, child.proc.pid)  # for the driver's stall watch and `raytrain stack`
     if rank == 0:
         marks["script start"] = time.time()
         hub.started.remote(marks)

@@ -1,0 +1,92 @@
+"""`raytrain launch`'s stall watch. A user's script reports no steps, so the sign of a stall is its
+stacks: when no rank's Python stack (its main thread's, read with py-spy) changed for
+--stall-timeout seconds and at least one rank waits in a torch.distributed collective, the run is
+stalled. Then, as `raytrain run`'s watch does (stall.py's diagnose), every rank's stack goes to
+<run dir>/stall/, the rank not where the others wait is named, and the scripts are killed.
+
+It also keeps <run dir>/workers.json, so `raytrain stack` can find the scripts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from raytrain_ddp.driver.stack import write_workers
+from raytrain_ddp.driver.stall import Stalled, diagnose, dump_stacks, glance, is_stack, read_place, stall_limit, training_stack
+
+MOST_BETWEEN_LOOKS_S = 15.0
+"""The longest wait between two looks at every rank's stack."""
+
+
+def between_looks(limit: float) -> float:
+    """Seconds between two looks: a quarter of the limit, so a stall is said at most a quarter of
+    the limit late, and only after at least 4 looks found every rank where it was (a rank that moves
+    is unlikely to be caught on the same line 4 times); at most 15 s, which keeps the default
+    (120 s) within the limit + 30 s. A look is cheap: py-spy reads each rank without pausing it."""
+    return min(limit / 4, MOST_BETWEEN_LOOKS_S)
+
+
+class StackWatch:
+    """Polled by the driver core with the hub's news: where the scripts run, and their stacks."""
+
+    def __init__(self, hub: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None]) -> None:
+        self.hub, self.run_dir, self.say = hub, Path(run_dir), say
+        self.limit = stall_limit(timeout, [])  # a script has no steps to measure: 120 s by default, None when off
+        self.ranks: list[dict[str, Any]] = []
+        self.stacks: list[tuple[Any, ...]] = []
+        """Each rank's training stack at the last look."""
+        self.since: list[float] = []
+        """Since when (time.monotonic()) each rank's stack has been the one in `stacks`."""
+        self.next_look = 0.0
+        self.read = False
+        """Whether a look read any stack of this worker group's scripts."""
+        self.told_blind = False
+        self.stalled: Stalled | None = None
+
+    def poll(self) -> None:
+        """Note a new worker group's scripts (workers.json); every few seconds look at their stacks,
+        and raise Stalled, after the diagnosis, when none moved for the limit."""
+        import ray
+
+        if self.stalled is not None:  # the core's last poll, after the stall ended the watch
+            raise self.stalled
+        ranks = ray.get(self.hub.ranks.remote())
+        if ranks != self.ranks:
+            self.new_group(ranks)
+        if self.limit is None or not ranks or time.monotonic() < self.next_look:
+            return
+        self.next_look = time.monotonic() + between_looks(self.limit)
+        texts = dump_stacks(ranks, glance)
+        if not self.read and not any(map(is_stack, texts)) and not self.told_blind:
+            self.told_blind = True  # py-spy missing, or not allowed to read other processes (ptrace)
+            self.say(f"the stall watch cannot read the scripts' stacks, so it will see no stall: {texts[0].splitlines()[0]}")
+        self.read = self.read or any(map(is_stack, texts))
+        still = self.still_for(texts)
+        if still >= self.limit and any(read_place(text).collective for text in texts):
+            report = diagnose(ranks, texts, still, self.run_dir / "stall", self.say, silence="no rank's Python stack changed")
+            self.stalled = Stalled(report.line)
+            raise self.stalled
+
+    def new_group(self, ranks: list[dict[str, Any]]) -> None:
+        """A new attempt's scripts (or the end of one's): note where they run, and count from nothing."""
+        self.ranks, self.stacks, self.since, self.read = ranks, [], [], False
+        if ranks:
+            write_workers(self.run_dir, ranks)
+        # The first look a while after the scripts started: py-spy cannot read an interpreter that
+        # is still starting, which would read as a watch that cannot see.
+        self.next_look = time.monotonic() + between_looks(self.limit or 0)
+
+    def still_for(self, texts: list[str]) -> float:
+        """Seconds for which no rank's stack changed, as far as the looks tell."""
+        now = time.monotonic()
+        if not all(map(is_stack, texts)):  # a script ended, or py-spy could not read one: no stall to tell
+            self.stacks, self.since = [], []
+            return 0.0
+        stacks = [training_stack(text) for text in texts]
+        if len(self.stacks) != len(stacks):
+            self.stacks, self.since = stacks, [now] * len(stacks)
+        self.since = [since if old == new else now for old, new, since in zip(self.stacks, stacks, self.since)]
+        self.stacks = stacks
+        return now - max(self.since)
