@@ -64,7 +64,7 @@ class Net(nn.Module):
         self.head = nn.Sequential(nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
 
     def forward(self, x):
-        # After the conv, so its weight's gradient (the last bucket's) waits for the slow backward.
+        # After the conv, so its weight's gradient (the last one ready) waits for the slow backward.
         return self.head(SlowBackward.apply(self.conv(x)))
 """
 

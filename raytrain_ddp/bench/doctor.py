@@ -3,12 +3,14 @@
     raytrain bench doctor --ranks 2 --model resnet18 --steps 20 --rounds 5
 
 gloo ranks on CPU (no Ray: the driver's stall watch runs on the driver, and the ranks' beats to it
-were already there for the progress line). Each rank trains two DDP replicas of the same model from
-the same weights through the loop's own forward_backward: `plain` as before, and `timed` with the
-PartClock (its marks, and DDP's bucket hook that splits backward from communication). Every round
-runs --steps steps of each, the order swapped every round so that a drift in the machine's speed
-falls on both. Printed: the median step of each over the rounds, the difference, and the epoch-end
-gather of every rank's parts, which runs once per epoch.
+were already there for the progress line). Each rank trains three DDP replicas of the same model
+from the same weights through the loop's own forward_backward: `plain` as before, `timed` with the
+PartClock (its marks, and the gradient hook that splits backward from communication), and `plain
+again`, a control: what two identical variants differ by is this machine's noise, the floor under
+which the cost cannot be told apart. Every round runs --steps steps of each, the order rotated every
+round so that a drift in the machine's speed falls on all. Printed: each variant's median step, the
+median over rounds of its difference from `plain` in the same round, what the marks cost on their
+own, and the epoch-end gather of every rank's parts, which runs once per epoch.
 Figures only, nothing asserted.
 """
 
@@ -30,6 +32,8 @@ from raytrain_ddp.net import free_port
 from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.part_clock import PartClock
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
+
+VARIANTS = ("plain", "timed", "plain again")
 
 
 @dataclass(frozen=True)
@@ -61,16 +65,16 @@ def rank_main(rank: int, port: int, settings: Settings, out) -> None:
     base = model_builder(settings.model)(num_classes=10, in_channels=3)
     cpu = torch.device("cpu")
     variants = {}
-    for name in ("plain", "timed"):
+    for name in VARIANTS:
         model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)
         parts = PartClock(model, cpu) if name == "timed" else None
         variants[name] = (model, make_optimizer(cfg, model), parts)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     x = torch.randn(settings.batch, 3, settings.image_size, settings.image_size)
     y = torch.randint(10, (settings.batch,))
-    medians: dict[str, list[float]] = {"plain": [], "timed": []}
-    for round_ in range(settings.rounds + 1):  # round 0 warms both up and is not counted
-        for name in (("plain", "timed") if round_ % 2 else ("timed", "plain")):
+    medians: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for round_ in range(settings.rounds + 1):  # round 0 warms them up and is not counted
+        for name in VARIANTS[round_ % 3:] + VARIANTS[:round_ % 3]:
             model, optimizer, parts = variants[name]
             times = []
             for _ in range(settings.steps):
@@ -90,7 +94,7 @@ def rank_main(rank: int, port: int, settings: Settings, out) -> None:
 
 
 def marks_cost(device: torch.device, micro_batches: int = 10_000) -> float:
-    """Seconds one micro-batch's marks take on their own (start, forward, a bucket, backward, and
+    """Seconds one micro-batch's marks take on their own (start, forward, a gradient, backward, and
     adding them up): the part of the cost that a machine's noise cannot hide in the A/B steps."""
     parts = PartClock(torch.nn.Linear(1, 1), device)
     start = time.perf_counter()
@@ -124,15 +128,14 @@ def bench_doctor(settings: Settings) -> None:
     if result is None:
         print(f"failed: rank exit codes {[p.exitcode for p in procs]}")
         return
-    plain, timed = (statistics.median(result["medians"][name]) for name in ("plain", "timed"))
-    fastest = {name: min(result["medians"][name]) for name in ("plain", "timed")}
-    print("| variant | step ms (median of round medians) | fastest round | per round |")
+    medians = result["medians"]
+    print("| variant | step ms (median of rounds) | minus plain, same round (median) | per round |")
     print("|---|---|---|---|")
-    for name, value in (("plain", plain), ("timed", timed)):
-        rounds = " ".join(f"{t * 1000:.1f}" for t in result["medians"][name])
-        print(f"| {name} | {value * 1000:.2f} | {fastest[name] * 1000:.2f} | {rounds} |")
-    print(f"timed - plain: {(timed - plain) * 1000:+.2f} ms a step ({(timed - plain) / plain:+.2%}) by the medians, "
-          f"{(fastest['timed'] - fastest['plain']) / fastest['plain']:+.2%} by the fastest rounds")
+    for name in VARIANTS:
+        diff = statistics.median(t - p for t, p in zip(medians[name], medians["plain"]))
+        rounds = " ".join(f"{t * 1000:.1f}" for t in medians[name])
+        print(f"| {name} | {statistics.median(medians[name]) * 1000:.2f} | {diff * 1000:+.2f} "
+              f"({diff / statistics.median(medians['plain']):+.2%}) | {rounds} |")
     marks = result["marks_s"]
-    print(f"the marks alone: {marks * 1e6:.1f} us a micro-batch ({marks / fastest['plain']:.3%} of the fastest plain step); "
-          f"the epoch-end gather of every rank's parts: {result['gather_s'] * 1000:.2f} ms once per epoch")
+    print(f"the marks alone: {marks * 1e6:.1f} us a micro-batch ({marks / statistics.median(medians['plain']):.4%} of "
+          f"the plain step); the epoch-end gather of every rank's parts: {result['gather_s'] * 1000:.2f} ms once per epoch")
