@@ -154,12 +154,12 @@ def test_the_verdict_names_the_rank_past_the_collective_and_where_the_others_wai
     ahead, behind, elsewhere = read_place(RANK0), read_place(IN_FORWARD), read_place(IN_BARRIER)
     line = verdict(RANKS, [ahead, behind], 10, Path("runs/x/stall"))
     assert line == (
-        "the run stalled (no training step for 10 s): rank 0 (vm pid 100) is at /src/raytrain_ddp/worker/step.py:58 in "
+        "the run stalled (no rank finished a training step for 10 s): rank 0 (vm pid 100) is at /src/raytrain_ddp/worker/step.py:58 in "
         "forward_backward in DDP's gradient all-reduce (backward), while the others wait in torch.distributed barrier "
         "(forward) at /tmp/x/skips.py:17 in SkipsOnRank0.forward; rank 0 went past that collective: skipped it, or the "
         "others call one extra; stacks in runs/x/stall")
     line = verdict(RANKS, [ahead, elsewhere], 10, Path("s"))
-    assert line.startswith("the run stalled (no training step for 10 s): the ranks wait in different collectives (rank 0 "
+    assert line.startswith("the run stalled (no rank finished a training step for 10 s): the ranks wait in different collectives (rank 0 "
                            "in DDP's gradient all-reduce (backward) at /src/raytrain_ddp/worker/step.py:58 in forward_backward, "
                            "rank 1 in torch.distributed barrier at /src/raytrain_ddp/worker/control.py:70 in agree)"), line
     line = verdict(RANKS, [elsewhere, ahead, elsewhere], 10, Path("s"))

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from raytrain_ddp.bench.spawn import run_ranks
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.net import free_port
 from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.part_clock import PartClock
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
@@ -109,24 +107,9 @@ def bench_doctor(settings: Settings) -> None:
     """Run the ranks and print the table."""
     print(f"{settings.model}, {settings.ranks} gloo ranks, batch {settings.batch}/rank at {settings.image_size} px, "
           f"{settings.threads} thread(s)/rank, {settings.rounds} rounds of {settings.steps} steps per variant")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=rank_main, args=(r, port, settings, out)) for r in range(settings.ranks)]
-    for p in procs:
-        p.start()
-    result = None
-    while result is None and not any(p.exitcode for p in procs):
-        try:
-            result = out.get(timeout=5)
-        except queue.Empty:  # a rank that died would leave us waiting forever
-            pass
-    for p in procs:
-        p.join(timeout=None if result else 30)
-        if p.is_alive():
-            p.kill()
+    result, codes = run_ranks(rank_main, settings.ranks, settings)
     if result is None:
-        print(f"failed: rank exit codes {[p.exitcode for p in procs]}")
+        print(f"failed: rank exit codes {codes}")
         return
     medians = result["medians"]
     print("| variant | step ms (median of rounds) | minus plain, same round (median) | per round |")

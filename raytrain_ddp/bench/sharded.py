@@ -21,7 +21,6 @@ Figures only, nothing asserted.
 from __future__ import annotations
 
 import os
-import queue
 import statistics
 import tempfile
 import time
@@ -30,14 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from raytrain_ddp.bench.spawn import run_ranks
 from raytrain_ddp.checkpoint import io as checkpoint_io
 from raytrain_ddp.checkpoint.files import STATE
 from raytrain_ddp.checkpoint.state_dicts import full_state, sharded_state
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.net import free_port
 from raytrain_ddp.worker import parallel
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
 
@@ -131,25 +129,10 @@ def bench_sharded(settings: Settings, variants: tuple[str, ...] = VARIANTS) -> N
           f"save at step {settings.save_at} of {settings.steps}")
     print("| variant | step s (median, no save) | save step s | stall s | files complete after s | model_state_mib/rank |")
     print("|---|---|---|---|---|---|")
-    ctx = mp.get_context("spawn")
     for variant in variants:
-        out = ctx.Queue()
-        port = free_port("127.0.0.1")
-        procs = [ctx.Process(target=rank_main, args=(r, port, settings, variant, out)) for r in range(settings.ranks)]
-        for p in procs:
-            p.start()
-        result = None
-        while result is None and not any(p.exitcode for p in procs):
-            try:
-                result = out.get(timeout=5)
-            except queue.Empty:  # a rank that died (killed for memory, say) would leave us waiting forever
-                pass
-        for p in procs:
-            p.join(timeout=None if result else 30)
-            if p.is_alive():
-                p.kill()
+        result, codes = run_ranks(rank_main, settings.ranks, settings, variant)
         if result is None:
-            print(f"| {variant} | failed: rank exit codes {[p.exitcode for p in procs]} | | | | |", flush=True)
+            print(f"| {variant} | failed: rank exit codes {codes} | | | | |", flush=True)
             continue
         times = result["times"]
         plain = statistics.median(t for i, t in enumerate(times, 1) if i not in (1, settings.save_at))
