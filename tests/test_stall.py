@@ -136,6 +136,27 @@ def test_the_culprit_is_the_rank_not_where_the_others_wait():
     assert culprit_ranks([waits, waits]) == []
 
 
+AT_A_HOST_SYNC = """\
+Thread 41 (idle): "TrainingThread"
+    show_progress (/src/raytrain_ddp/worker/loop.py:262)
+    train_epoch (/src/raytrain_ddp/worker/loop.py:231)
+    train_loop (/src/raytrain_ddp/worker/loop.py:127)
+"""
+"""Under NCCL the all-reduce returns at once: a rank waiting for the others blocks on its GPU at the
+loop's next .item(), in no torch.distributed call."""
+
+
+def test_under_nccl_the_culprit_is_the_rank_in_user_code_while_the_others_wait_in_the_loop():
+    waits, stuck = read_place(AT_A_HOST_SYNC), read_place(RANK1)
+    assert waits.collective is None and culprit_ranks([waits, stuck]) == [1]
+    assert culprit_ranks([waits, waits]) == [] and culprit_ranks([stuck, stuck]) == []
+    where = [{"hostname": "vm", "pid": 100}, {"hostname": "vm", "pid": 101}]
+    assert verdict(where, [waits, stuck], 10, Path("runs/x/stall")) == (
+        "the run stalled (no rank finished a training step for 10 s): rank 1 (vm pid 101) is at /tmp/x/hangs.py:18 in "
+        "HangsOnRank1.forward, while the others wait in the training loop at /src/raytrain_ddp/worker/loop.py:262 in "
+        "show_progress (under NCCL, for the GPU, where a collective waits); stacks in runs/x/stall")
+
+
 def test_a_rank_that_skipped_a_collective_is_the_one_past_it_even_in_a_tie():
     """Rank 1 skipped the barrier its forward calls: it waits in DDP's gradient all-reduce, past the
     barrier the others wait in. At 2 ranks that is a tie, broken by which rank is further along."""

@@ -176,6 +176,10 @@ def verdict(ranks: list[dict[str, Any]], places: list[Place], quiet: float | Non
         return f"{head}, and no rank stands apart from the others; see the stacks in {folder}"
     named = "; ".join(f"rank {r} ({ranks[r]['hostname']} pid {ranks[r]['pid']}) is at {places[r].frame}"
                       + (f" in {places[r].collective}" if places[r].collective else "") for r in culprits)
+    if common is None:  # no rank in a collective (outside_the_loop)
+        at = next(p.frame for rank, p in enumerate(places) if rank not in culprits)
+        return (f"{head}: {named}, while the others wait in the training loop at {at} (under NCCL, for the GPU, "
+                f"where a collective waits); stacks in {folder}")
     at = next(p.frame for p in places if p.collective == common)
     return f"{head}: {named}, while the others wait in {common} at {at}{why_apart(places, culprits, common)}; " \
            f"stacks in {folder}"
@@ -200,10 +204,22 @@ def culprit_ranks(places: list[Place]) -> list[int]:
     backward, past the forward's collective) are the ones not where the others wait; a tie that
     cannot be broken names only the ranks in no collective. None when no rank waits, or all wait in
     the same."""
+    if not any(p.collective for p in places):
+        return outside_the_loop(places)
     common = where_most_wait(places)
     if common is None:
-        return [rank for rank, p in enumerate(places) if p.collective is None and any(q.collective for q in places)]
+        return [rank for rank, p in enumerate(places) if p.collective is None]
     return [rank for rank, p in enumerate(places) if p.collective != common]
+
+
+def outside_the_loop(places: list[Place]) -> list[int]:
+    """When no rank waits in a collective: the ranks in the user's code while the others stand in
+    our loop. Under NCCL a collective returns at once and waits on the GPU, so a rank waiting for
+    the others blocks at the loop's next host sync (a .item(), a .tolist()), in no torch.distributed call."""
+    in_loop = [OURS + "worker/" in p.frame for p in places]
+    if all(in_loop) or not any(in_loop):
+        return []
+    return [rank for rank, inside in enumerate(in_loop) if not inside]
 
 
 def where_most_wait(places: list[Place]) -> str | None:
