@@ -119,6 +119,9 @@ def rank_main(rank: int, port: int, results, target, args) -> None:
         raise
     if rank == 0:
         results.put(result)
+    # Both ranks leave together: a rank that tears its group down while its peer's last collective is
+    # still in flight can abort at exit ("terminate called without an active exception", seen under load).
+    dist.barrier()
     dist.destroy_process_group()
 
 
