@@ -18,12 +18,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
-from raytrain_ddp.net import free_port
 
 
 @dataclass
@@ -35,6 +34,16 @@ class Head:
     """http://127.0.0.1:PORT of the dashboard and Jobs API, where asked for."""
     session_dir: Path | None = None
     """Ray's session directory (its `logs/` has every worker process's log)."""
+
+
+START_TRIES = 3
+"""How many times a node is started, with fresh ports each time, before its failure is the caller's.
+A port is free when it is picked, but any process's connection can take it before Ray binds it, and
+`ray start` then exits 1."""
+
+
+class NodeExited(RuntimeError):
+    """`ray start` exited before its node was up."""
 
 
 @contextmanager
@@ -50,18 +59,7 @@ def local_head(
     token = tmp / "token"
     token.write_text(secrets.token_hex(32))
     os.chmod(token, 0o600)
-    port = free_port("127.0.0.1")
-    # Every port explicit: Ray's servers share a taken port silently, and a second head on the
-    # default Ray Client port (10001) would answer for the first one at random.
-    ports = [
-        f"--{flag}={free_port('127.0.0.1')}"
-        for flag in (
-            "node-manager-port", "object-manager-port", "ray-client-server-port", "metrics-export-port",
-            "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-        )
-    ]
-    workers = random.randrange(20000, 30000, 100)  # a worker-port block of its own, most likely
-    env = {
+    base_env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
@@ -70,38 +68,58 @@ def local_head(
         **(extra_env or {}),
     }
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
-        env.pop(key, None)
-    url, web = None, ["--include-dashboard=false"]
+        base_env.pop(key, None)
     if dashboard:
-        url_port = free_port("127.0.0.1")
-        url = f"http://127.0.0.1:{url_port}"
-        web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={url_port}"]
-        for metrics in ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT"):
-            env[metrics] = str(free_port("127.0.0.1"))
         # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.Popen(
-        [
-            ray or str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-            f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
-            "--node-ip-address=127.0.0.1",
-            f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
-            *web, "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
+        base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
+
+    def start() -> tuple[subprocess.Popen, Head]:
+        # Every port explicit: Ray's servers share a taken port silently, and a second head on the
+        # default Ray Client port (10001) would answer for the first one at random.
+        port, url_port, autoscaler_metrics, dashboard_metrics, *others = free_ports("127.0.0.1", 11)
+        ports = [
+            f"--{flag}={number}"
+            for flag, number in zip(
+                ("node-manager-port", "object-manager-port", "ray-client-server-port", "metrics-export-port",
+                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port"),
+                others,
+            )
+        ]
+        workers = random.randrange(20000, 30000, 100)  # a worker-port block of its own, most likely
+        env, url, web = dict(base_env), None, ["--include-dashboard=false"]
+        if dashboard:
+            url = f"http://127.0.0.1:{url_port}"
+            web = ["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={url_port}"]
+            env |= {"AUTOSCALER_METRIC_PORT": str(autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(dashboard_metrics)}
+        shutil.rmtree(tmp / "ray", ignore_errors=True)  # a failed try's session
+        proc = spawn(
+            [
+                ray or str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
+                "--node-ip-address=127.0.0.1",
+                f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
+                *web, "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
+            ],
+            env, tmp / "ray-start.log",
+        )
+        try:
+            wait_for_port("127.0.0.1", port, proc, timeout_s=90)
+            if url is not None:
+                wait_for_dashboard(url, proc, timeout_s=120)
+        except BaseException:
+            stop_group(proc)
+            raise
+        address = f"127.0.0.1:{port}"
+        return proc, Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url,
+                          session_dir=tmp / "ray" / "session_latest")
+
     try:
-        wait_for_port("127.0.0.1", port, proc, timeout_s=90)
-        if url is not None:
-            wait_for_dashboard(url, proc, timeout_s=120)
-        yield Head(address=address, env={**env, "RAY_ADDRESS": address}, dashboard_url=url,
-                   session_dir=tmp / "ray" / "session_latest")
+        proc, head = with_fresh_ports(start, tmp / "ray-start.log")
+        try:
+            yield head
+        finally:
+            stop_group(proc)
     finally:
-        stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -112,30 +130,75 @@ def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[N
     Its own temp dir: joined nodes on one host would otherwise share a session dir, and a second
     one's plasma socket clashes with the first's."""
     tmp = Path(tempfile.mkdtemp(prefix="rtn-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
-    ports = [
-        f"--{flag}={free_port('127.0.0.1')}"
-        for flag in ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
-                     "dashboard-agent-grpc-port", "runtime-env-agent-port")
-    ]
-    workers = random.randrange(30000, 40000, 100)
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("ray")), "start", "--block", f"--address={head.address}", *ports,
-            f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}", "--node-ip-address=127.0.0.1",
-            f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000", "--disable-usage-stats",
-            f"--temp-dir={tmp}",
-        ],
-        env={k: v for k, v in head.env.items() if k != "RAY_ADDRESS"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+
+    def start() -> subprocess.Popen:
+        ports = [
+            f"--{flag}={number}"
+            for flag, number in zip(
+                ("node-manager-port", "object-manager-port", "metrics-export-port", "dashboard-agent-listen-port",
+                 "dashboard-agent-grpc-port", "runtime-env-agent-port"),
+                free_ports("127.0.0.1", 6),
+            )
+        ]
+        workers = random.randrange(30000, 40000, 100)
+        shutil.rmtree(tmp / "ray", ignore_errors=True)  # a failed try's session
+        proc = spawn(
+            [
+                str(Path(sys.executable).with_name("ray")), "start", "--block", f"--address={head.address}", *ports,
+                f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}", "--node-ip-address=127.0.0.1",
+                f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000", "--disable-usage-stats",
+                f"--temp-dir={tmp / 'ray'}",
+            ],
+            {k: v for k, v in head.env.items() if k != "RAY_ADDRESS"}, tmp / "ray-start.log",
+        )
+        try:
+            wait_until_joined(head, tmp / "ray", proc, timeout_s)
+        except BaseException:
+            stop_group(proc)
+            raise
+        return proc
+
     try:
-        wait_until_joined(head, tmp, proc, timeout_s)
-        yield
+        proc = with_fresh_ports(start, tmp / "ray-start.log")
+        try:
+            yield
+        finally:
+            stop_group(proc)
     finally:
-        stop_group(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+T = TypeVar("T")
+
+
+def with_fresh_ports(start: Callable[[], T], log: Path) -> T:
+    """`start()` again, up to START_TRIES times, while its node exits before it is up; then the error
+    says what `ray start` said last (`log` holds every try's output)."""
+    for attempt in range(1, START_TRIES + 1):
+        try:
+            return start()
+        except NodeExited as exited:
+            if attempt == START_TRIES:
+                said = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+                last = f": {said[-1][:300]}" if said else ""
+                raise NodeExited(f"{exited} ({START_TRIES} tries, each with fresh ports){last}") from None
+    raise AssertionError("unreachable")
+
+
+def spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`ray start --block` in its own process group, its output appended to `log` (read when it fails)."""
+    with log.open("a") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` different TCP ports free on `host` now: each socket stays bound until all are picked,
+    so the OS cannot hand the same port out twice."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 # `ray start` returns before its raylet has registered with the head, and on 2 busy cores a raylet
@@ -158,7 +221,7 @@ def wait_until_joined(head: Head, tmp: Path, proc: subprocess.Popen, timeout_s: 
     while waiter.poll() is None:
         if proc.poll() is not None:
             waiter.kill()
-            raise RuntimeError(f"ray start of a joined node exited with {proc.returncode} before it joined")
+            raise NodeExited(f"ray start of a joined node exited with {proc.returncode} before it joined")
         time.sleep(0.2)
     if waiter.returncode != 0:
         raise TimeoutError(f"a joined node was not alive at the head within {timeout_s} s: {waiter.stderr.read()[-500:]}")
@@ -170,7 +233,11 @@ STOP_TIMEOUT_S = 8.0
 
 def stop_group(proc: subprocess.Popen) -> None:
     """Stop a `ray start --block` and everything it started (its own process group), and only that."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the whole group has exited already
+        proc.wait()
+        return
     try:
         # A started node stops in ~2 s (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0); `ray start` ignores
         # SIGTERM until its node is up, so a head stopped seconds after it began would wait here.
@@ -183,7 +250,7 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
+            raise NodeExited(f"ray start exited with {proc.returncode}")
         try:
             socket.create_connection((host, port), timeout=1).close()
             return
@@ -197,7 +264,7 @@ def wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
+            raise NodeExited(f"ray start exited with {proc.returncode}")
         try:
             urllib.request.urlopen(f"{url}/api/version", timeout=2)
             return
