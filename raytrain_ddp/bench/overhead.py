@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
         env=plain_env(cfg), capture_output=True, text=True, timeout=1800,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun baseline failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"torchrun baseline failed: {torchrun_failure(proc.stderr)}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "first_step_s": result["first_step_unix"] - started,
@@ -60,6 +61,16 @@ def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
         "rss_mib": result["rss_mib"],
         "gpu_mib": result["gpu_mem_peak_mib"],
     }
+
+
+def torchrun_failure(stderr: str) -> str:
+    """A failed torchrun's root cause in one line: the rank's last exception, and the rank and exit
+    code from torchrun's summary (whose border is its stderr's last line)."""
+    lines = [" ".join(line.split()) for line in stderr.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line]
+    root = lines[lines.index("Root Cause (first observed failure):"):] if "Root Cause (first observed failure):" in lines else []
+    said = raised[-1:] + [line for line in root if line.startswith(("rank :", "exitcode :"))][:2]
+    return "; ".join(said) or (lines[-1] if lines else "no output")
 
 
 def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) -> dict[str, float]:

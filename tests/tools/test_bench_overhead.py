@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.bench.overhead import VARIANTS, report, stages_table
+from raytrain_ddp.bench.overhead import VARIANTS, report, stages_table, torchrun_failure
 
 
 def test_report_ratios_against_torchrun():
@@ -26,6 +29,16 @@ def test_stages_table_medians_each_stage_and_marks_the_missing():
     assert base.split()[1:5] == ["3.5", "2.0", "-", "-"]  # torchrun has no connect stage
     cells = running.split()[3:]
     assert cells[0] == "8.5" and cells[5] == "5.0"  # total and workers: medians of the 3 runs
+
+
+def test_a_failed_torchrun_is_told_by_its_root_cause(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank one broke')\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    said = torchrun_failure(proc.stderr)
+    assert said.startswith("ValueError: rank one broke; rank : 1") and "exitcode : 1" in said, said
 
 
 @pytest.mark.e2e
