@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raytrain_ddp.bench.spawn import run_ranks
+from raytrain_ddp.bench.spawn import leave_group, run_ranks
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.part_clock import PartClock
@@ -88,7 +88,7 @@ def rank_main(rank: int, port: int, settings: Settings, out) -> None:
     gathered = time.perf_counter() - start
     if rank == 0:
         out.put({"medians": medians, "gather_s": gathered, "marks_s": marks_cost(cpu)})
-    dist.destroy_process_group()
+    leave_group()
 
 
 def marks_cost(device: torch.device, micro_batches: int = 10_000) -> float:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ddp.bench.spawn import run_ranks
+from raytrain_ddp.bench.spawn import leave_group, run_ranks
 from raytrain_ddp.checkpoint import io as checkpoint_io
 from raytrain_ddp.checkpoint.files import STATE
 from raytrain_ddp.checkpoint.state_dicts import full_state, sharded_state
@@ -118,7 +118,7 @@ def rank_main(rank: int, port: int, settings: Settings, variant: str, out) -> No
         dist.all_reduce(mib, op=dist.ReduceOp.MAX)
         if rank == 0:
             out.put({"times": times, "written_after": written_after, "state_mib": mib.item()})
-    dist.destroy_process_group()
+    leave_group()
 
 
 def bench_sharded(settings: Settings, variants: tuple[str, ...] = VARIANTS) -> None:

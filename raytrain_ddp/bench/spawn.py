@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 from typing import Any, Callable
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_ddp.net import free_port
@@ -30,3 +31,11 @@ def run_ranks(target: Callable[..., None], ranks: int, *args: Any) -> tuple[Any,
         if p.is_alive():
             p.kill()
     return result, [p.exitcode for p in procs]
+
+
+def leave_group() -> None:
+    """A benchmark rank's last call: the ranks leave their group together, since a rank that tears it
+    down while a peer still finishes the last collective can abort at exit under load ("terminate
+    called without an active exception", seen on 2 busy cores)."""
+    dist.barrier()
+    dist.destroy_process_group()

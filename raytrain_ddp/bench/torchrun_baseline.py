@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.worker.step import make_optimizer
@@ -89,7 +90,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({"first_step_unix": first_step_unix, "marks": marks, "throughputs": throughputs,
                           "rss_mib": peaks[0].item(), "gpu_mem_peak_mib": peaks[1].item() if cuda else None}))
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":
