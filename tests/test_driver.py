@@ -60,6 +60,15 @@ def test_a_redone_epoch_is_shown_again_and_a_restored_one_is_not(capsys):
     assert len(lines) == 2 and "train loss 2.0000" in lines[0] and "train loss 1.9000" in lines[1]
 
 
+def test_plain_mode_prints_a_step_once_however_long_the_run_stays_there(capsys):
+    display = Display("plain", epochs=2)
+    step = lambda n: {"epoch": 1, "step": n, "loss": 2.0, "samples_per_s": 100.0}
+    for n in (1, 1, 1, 2):  # a stalled run polls the same step until its stall report
+        display.last_plain = 0.0  # PLAIN_EVERY_S have passed since the last line
+        display.update({"steps_per_epoch": 4}, step(n), [])
+    assert [line.split()[3] for line in capsys.readouterr().out.splitlines()] == ["1/4", "2/4"]
+
+
 # --- end to end ---
 
 RUN = ["--workers", "2", "--train-samples", "2048", "--val-samples", "256", "--batch-size", "32",

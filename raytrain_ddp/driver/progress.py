@@ -33,6 +33,8 @@ class Display:
         self.mode, self.epochs = mode, epochs
         self.shown: dict[int, dict[str, Any]] = {}  # the row last printed for each epoch
         self.last_plain = 0.0
+        self.plain_step: tuple[int, int] | None = None
+        """(epoch, step) of the last plain step line: a stalled run's step is not printed again."""
         self.bar = self.task = self.task_epoch = None
         if mode == "rich":
             from rich.progress import (
@@ -82,8 +84,9 @@ class Display:
                 self.task = self.bar.add_task(f"epoch {step['epoch']}/{self.epochs}", total=total, **fields)
                 self.task_epoch = step["epoch"]
             self.bar.update(self.task, completed=step["step"], **fields)
-        elif self.mode == "plain" and time.monotonic() - self.last_plain >= PLAIN_EVERY_S:
-            self.last_plain = time.monotonic()
+        elif (self.mode == "plain" and time.monotonic() - self.last_plain >= PLAIN_EVERY_S
+              and (step["epoch"], step["step"]) != self.plain_step):
+            self.last_plain, self.plain_step = time.monotonic(), (step["epoch"], step["step"])
             self.print(
                 f"epoch {step['epoch']}/{self.epochs} step {step['step']}/{total}  "
                 f"loss {step['loss']:.4f}  {step['samples_per_s']:.1f} samples/s"
