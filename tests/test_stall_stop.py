@@ -1,6 +1,7 @@
 """A stalled run still stops, and recovers where it may: a stop the ranks cannot answer ends them
 after --stop-grace-s (with the stall report), and under --max-failures a stall is a failure Ray Train
-restarts the worker group from (stall.py's StallWatch, run.py's RunNews.stop_overdue)."""
+restarts the worker group from (stall.py's StallWatch, run.py's RunNews.stop_overdue). Validation is
+watched too, and a stop waits for validation that moves (sink.py's phases)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,80 @@ def test_under_max_failures_a_stall_restarts_the_group_from_its_checkpoint_and_t
     assert summary["final"]["epoch"] == 1
 
 
+VALIDATION_PY = """\
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+MARK = Path({mark!r})
+
+
+class InValidation(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Linear(8, num_classes))
+
+    def forward(self, x):
+        if not self.training:
+            MARK.touch()
+            if {hang!r} and dist.get_rank() == 1:
+                threading.Event().wait()  # the fault: rank 1 never finishes its first validation batch
+            time.sleep({sleep!r})
+        return self.body(x)
+"""
+
+
+def validation_model(tmp_path: Path, hang: bool, sleep: float) -> Path:
+    """Writes validation.py into tmp_path; returns the file a rank touches as it validates a batch."""
+    mark = tmp_path / "validating.mark"
+    (tmp_path / "validation.py").write_text(VALIDATION_PY.format(mark=str(mark), hang=hang, sleep=sleep))
+    return mark
+
+
+@pytest.mark.e2e
+def test_a_rank_stuck_in_validation_is_a_stall_named_in_one_line(ray_head, tmp_path: Path):
+    validation_model(tmp_path, hang=True, sleep=0.0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain_ddp", "run", "--model", "validation:InValidation", "--workers", "2",
+         "--epochs", "1", "--train-samples", "64", "--val-samples", "64", "--batch-size", "16", "--data-workers", "0",
+         "--progress", "plain", "--stall-timeout", "10", "--storage-path", str(tmp_path / "runs"), "--name", "val"],
+        env=ray_head.env, cwd=tmp_path, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the run stalled (the epoch's validation did not move for 1"), last
+    assert "rank 1 (" in last and "InValidation.forward" in last and "all_reduce" in last, last
+    assert "InValidation.forward" in (tmp_path / "runs" / "val" / "stall" / "rank1.txt").read_text()
+
+
+@pytest.mark.e2e
+def test_a_stop_in_validation_that_moves_waits_for_it_past_the_grace(ray_head, tmp_path: Path):
+    """Validation of 10 batches of 1 s a rank, SIGTERM as it starts, a grace of 3 s: the stop is
+    answered at the next step, after the epoch's validation and checkpoint, and nothing is lost."""
+    mark = validation_model(tmp_path, hang=False, sleep=1.0)
+    run_dir = tmp_path / "runs" / "slowval"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp", "run", "--model", "validation:InValidation", "--workers", "2",
+         "--epochs", "2", "--train-samples", "64", "--val-samples", "320", "--batch-size", "16", "--data-workers", "0",
+         "--progress", "plain", "--stop-grace-s", "3", "--storage-path", str(tmp_path / "runs"), "--name", "slowval"],
+        env=ray_head.env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(mark, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_STOPPED, out[-2000:] + err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "got no answer" not in last and "with a checkpoint at epoch 2" in last, last
+    assert not (run_dir / "stall").exists()
+
+
 GONE_PY = """\
 import json, socket, subprocess, sys, time
 from pathlib import Path
@@ -129,7 +204,7 @@ time.sleep(1.5)  # rank 0's last beat is now past the 1 s timeout
 ranks = [{"rank": 0, "pid": gone.pid, "ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname()}]
 watch = StallWatch(sink, 1.0, Path(sys.argv[1]), print)
 watch.check(ranks)
-quiet, _ = ray.get(sink.quiet.remote())
+quiet, *_ = ray.get(sink.quiet.remote())
 gone.wait()
 print(json.dumps({"quiet": quiet, "stalls": len(watch.stalls)}))
 """

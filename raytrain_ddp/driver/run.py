@@ -211,7 +211,7 @@ class RunNews:
         self.stopping: str | None = None
         """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
         self.stop_waited = 0.0
-        """Seconds the ranks have not answered it, checkpoint writing not counted."""
+        """Seconds of training steps the ranks have not answered it in (stop_overdue)."""
         self.polled = time.monotonic()
 
     def stop_asked(self, name: str) -> None:
@@ -246,12 +246,22 @@ class RunNews:
 
     def stop_overdue(self, info: dict[str, Any], since: float) -> None:
         """Stop the run anyway when its ranks did not answer a stop within --stop-grace-s: a rank stuck
-        for good never reaches the agreed step. The stall report first, then the ranks are ended."""
+        for good never reaches the agreed step. The stall report first, then the ranks are ended.
+        The grace counts the time in training steps, where the answer is due at the next one. A
+        checkpoint is the point of stopping, and a stop that comes at an epoch's end is answered after
+        its validation and checkpoint: there only silence counts, validation that did not move."""
         if self.stopping is None or info.get("stopped_at"):
             return
-        if info.get("phase") != "checkpoint":  # the stop's own checkpoint is the point of stopping
+        phase = info.get("phase")
+        if phase is None:
             self.stop_waited += since
-        if self.stop_waited < self.grace:
+        overdue = self.stop_waited >= self.grace
+        if phase == "validation" and not overdue:
+            import ray
+
+            quiet, _, _ = ray.get(self.sink.quiet.remote())
+            overdue = quiet is not None and quiet >= self.grace
+        if not overdue:
             return
         label = "Ctrl-C" if self.stopping == "SIGINT" else self.stopping
         late = f"{label} got no answer: the ranks reached no agreed step within --stop-grace-s {self.grace:g} s"

@@ -83,14 +83,16 @@ class Sink:
         self.last_step = None
 
     def phase(self, name: str | None) -> None:
-        """Rank 0 entered a phase that is no training step ("validation", "checkpoint"), or left it
-        (None): the stall watch does not count the time inside, nor a stop's grace a checkpoint's."""
-        self.beat = None if name else time.time()
+        """Rank 0 entered a phase that is no training step, or left it (None). "validation" (the
+        epoch's end) beats too, about once a second while rank 0 validates, so the stall watch counts
+        its silence; a "checkpoint" is not counted: writing one may take long (a large model, slow storage)."""
+        self.beat = None if name == "checkpoint" else time.time()
         self.run["phase"] = name
 
-    def quiet(self) -> tuple[float | None, list[float]]:
-        """Seconds since the last beat (None: no step yet, or inside a phase), and the latest gaps between beats."""
-        return (None if self.beat is None else time.time() - self.beat), self.beat_gaps
+    def quiet(self) -> tuple[float | None, list[float], str | None]:
+        """Seconds since rank 0's last beat (None: no step yet, or inside a checkpoint), the latest
+        gaps between its steps, and the phase it is in (None: training steps)."""
+        return (None if self.beat is None else time.time() - self.beat), self.beat_gaps, self.run.get("phase")
 
     def request_stop(self) -> None:
         """The driver got SIGUSR1/SIGTERM: the ranks checkpoint at their next agreed step and stop."""

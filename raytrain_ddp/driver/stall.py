@@ -1,13 +1,14 @@
-"""`raytrain run`'s stall watch: when no rank has finished a training step for --stall-timeout
-seconds, dump every rank's Python stack with py-spy, say where each rank is and which one the others
+"""`raytrain run`'s stall watch: when no rank has finished a training step (or validation has not
+moved) for --stall-timeout seconds, dump every rank's Python stack with py-spy, say where each rank is and which one the others
 wait for, end the ranks and fail the run, instead of waiting out the collective's timeout (30 min).
 Where Ray Train may restart the worker group (--max-failures, an elastic run), a stall is one such
 failure: the ranks are ended and the group restarts from the latest checkpoint. A stop the ranks do
 not answer in time (run.py) gets the same report.
 
-A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, and
-the ends of validation and checkpoints, which are not stalls). Under DDP rank 0 cannot finish a step
-while any rank is stuck, so its silence is the world's.
+A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, a
+validation batch at most once a second, and the end of a checkpoint, whose writing is no stall).
+Under DDP rank 0 cannot finish a step while any rank is stuck, so its silence is the world's; in
+validation it can, until the collective that ends it.
 
 How a stack is read, the diagnosis and the kill serve `raytrain launch`'s watch too (launch_stall.py),
 and the reading `raytrain stack` (stack.py).
@@ -45,7 +46,9 @@ COLLECTIVES = {
 }
 """torch.distributed's functions that wait for the other ranks."""
 STEP_SILENCE = "no rank finished a training step"
-"""What a stalled `raytrain run` did not do (launch's watch says its own)."""
+"""What a stalled `raytrain run` did not do (launch's watch says its own)..."""
+VALIDATION_SILENCE = "the epoch's validation did not move"
+"""... and what it did not do in the phase after an epoch's last step (sink.py's "validation")."""
 STAGES = ("(forward)", "(backward)")
 """Where in forward_backward a rank waits, in the order a step passes them."""
 
@@ -82,7 +85,8 @@ class Report:
     at: float
     """When it was diagnosed (time.time())."""
     quiet_s: float | None
-    """Seconds rank 0 had finished no training step (None: it was inside a validation or checkpoint)."""
+    """Seconds rank 0 had finished no training step, or no validation batch (None: it was writing a
+    checkpoint, or had finished no step yet)."""
     culprits: list[int]
     """The ranks not where the others wait."""
     line: str
@@ -106,7 +110,7 @@ class StallWatch:
             return
         import ray
 
-        quiet, gaps = ray.get(self.sink.quiet.remote())
+        quiet, gaps, phase = ray.get(self.sink.quiet.remote())
         limit = stall_limit(self.timeout, gaps)
         if quiet is None or limit is None or quiet < limit:
             return
@@ -117,7 +121,7 @@ class StallWatch:
             # now; the new group's start (sink.start) restarts the count anyway.
             self.sink.phase.remote(None)
             return
-        report = diagnose(ranks, stacks, quiet, self.folder(), self.say)
+        report = diagnose(ranks, stacks, quiet, self.folder(), self.say, silence=silence_in(phase))
         self.stalls.append(report)
         if len(self.stalls) > self.restarts:
             raise Stalled(report.line)
@@ -130,8 +134,8 @@ class StallWatch:
         they did not answer in time."""
         import ray
 
-        quiet, _ = ray.get(self.sink.quiet.remote())
-        return diagnose(ranks, dump_stacks(ranks), quiet, self.folder(), self.say)
+        quiet, _, phase = ray.get(self.sink.quiet.remote())
+        return diagnose(ranks, dump_stacks(ranks), quiet, self.folder(), self.say, silence=silence_in(phase))
 
     def folder(self) -> Path:
         """Where the next stall's stacks go: each stall keeps its own."""
@@ -156,9 +160,14 @@ def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None
     return Report(time.time(), quiet, culprit_ranks(places), verdict(ranks, places, quiet, folder, silence), str(folder))
 
 
+def silence_in(phase: str | None) -> str:
+    """What a stalled run did not do, in the phase rank 0 is in."""
+    return VALIDATION_SILENCE if phase == "validation" else STEP_SILENCE
+
+
 def silent_for(silence: str, quiet: float | None) -> str:
     if quiet is None:
-        return "rank 0 is inside a validation or a checkpoint"
+        return "rank 0 is writing a checkpoint, or has finished no step yet"
     return f"{silence} for {quiet:.0f} s"
 
 

@@ -5,7 +5,7 @@ end, so every number describes the world, not rank 0's shard."""
 from __future__ import annotations
 
 import resource
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,11 +15,11 @@ from raytrain_ddp.worker import parallel
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
+def evaluate(model, loader, device, amp_dtype, beat: Callable[[], None] | None = None) -> tuple[float, float, float]:
     """(loss, accuracy, count) over every rank's val shard. The shards may differ in length, so no
     collective may run per batch: this runs the whole model with no collective in its forward
     (parallel.whole_model), after one broadcast of rank 0's buffers (BatchNorm's running stats, the
-    ones a checkpoint keeps)."""
+    ones a checkpoint keeps). `beat()` after each batch: the stall watch sees validation move."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     with parallel.whole_model(model) as model:
         if dist.is_initialized():
@@ -34,6 +34,8 @@ def evaluate(model, loader, device, amp_dtype) -> tuple[float, float, float]:
             loss = F.cross_entropy(logits.float(), labels, reduction="sum")
             n = torch.tensor(len(labels), device=device)
             sums += torch.stack([loss, (logits.argmax(1) == labels).sum(), n]).double()
+            if beat is not None:
+                beat()
     return all_reduce_means(sums)
 
 

@@ -274,6 +274,22 @@ def tell_phase(run: Setup, name: str | None) -> None:
         run.sink.phase.remote(name)
 
 
+def validation_beat(run: Setup) -> Callable[[], None] | None:
+    """Rank 0's beat inside validation, at most once per PROGRESS_EVERY_S (fire-and-forget): a rank
+    stuck there is a stall the driver sees, and a stop's grace waits while validation moves."""
+    if run.rank != 0:
+        return None
+    last = time.perf_counter()
+
+    def beat() -> None:
+        nonlocal last
+        if time.perf_counter() - last >= PROGRESS_EVERY_S:
+            last = time.perf_counter()
+            run.sink.phase.remote("validation")
+
+    return beat
+
+
 def stopped_after_save(run: Setup, state: TrainState, control: Control, step: int) -> bool:
     """After a checkpoint inside a pass: tell the driver a drain was answered, and stop if agreed."""
     if control.drain_news and run.rank == 0:
@@ -291,7 +307,7 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
     tell_phase(run, "validation")
     stop = control.at_epoch_end(state.epoch, clock.start)
     train = all_reduce_means(state.sums)
-    val = evaluate(run.model, run.loaders.val, run.device, run.amp_dtype)
+    val = evaluate(run.model, run.loaders.val, run.device, run.amp_dtype, beat=validation_beat(run))
     state_mib = parallel.state_mib(run.model, run.optimizer)
     resources = epoch_resources(run.device.type == "cuda", run.parts.totals["data"], state.train_time, run.loaders.skipped(),
                                 run.world_size, run.device, state_mib)
@@ -304,6 +320,7 @@ def end_epoch(run: Setup, state: TrainState, control: Control, clock: Clock) -> 
         run.sink.epoch.remote(row)
         run.sink.rank_parts.remote(state.epoch, parts)
     state.next_epoch()
+    tell_phase(run, "checkpoint")
     run.checkpointer.save(state, force=True, metrics=row)
     tell_phase(run, None)
     if stop and state.epoch <= cfg.epochs:
