@@ -36,10 +36,14 @@ class Head:
     """Ray's session directory (its `logs/` has every worker process's log)."""
 
 
+NODE_PORTS = range(11000, 20000)
+"""Where a node's ports are picked: above Ray's defaults (6379, 8265, 10001), below the nodes'
+worker-port blocks (20000-39999) and the OS's ephemeral range (32768 on, on Linux), where any
+outgoing connection may take a port between our picking it and Ray's binding it."""
 START_TRIES = 3
-"""How many times a node is started, with fresh ports each time, before its failure is the caller's.
-A port is free when it is picked, but any process's connection can take it before Ray binds it, and
-`ray start` then exits 1."""
+"""How many times a node is started, with fresh ports each time, before its failure is the caller's:
+another process may still bind a port between our picking it and Ray's binding it, and `ray start`
+then exits 1."""
 
 
 class NodeExited(RuntimeError):
@@ -192,13 +196,20 @@ def spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pope
 
 
 def free_ports(host: str, count: int) -> list[int]:
-    """`count` different TCP ports free on `host` now: each socket stays bound until all are picked,
-    so the OS cannot hand the same port out twice."""
+    """`count` different TCP ports free on `host` now, from NODE_PORTS: each socket stays bound until
+    all are picked, so no port is handed out twice."""
     with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports = []
+        for port in random.sample(NODE_PORTS, len(NODE_PORTS)):
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"fewer than {count} free ports on {host} in {NODE_PORTS}")
 
 
 # `ray start` returns before its raylet has registered with the head, and on 2 busy cores a raylet

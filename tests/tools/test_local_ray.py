@@ -30,9 +30,11 @@ def flaky_ray(folder: Path, failures: int) -> Path:
     return script
 
 
-def test_free_ports_are_different():
+def test_free_ports_are_different_and_outside_the_ephemeral_range():
     ports = free_ports("127.0.0.1", 50)
     assert len(set(ports)) == 50
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert all(port < min(low, 20000) for port in ports)  # 20000 on: the worker-port blocks
 
 
 def test_a_head_whose_ray_start_exits_is_started_again_on_fresh_ports(tmp_path):
