@@ -106,7 +106,7 @@ def test_under_max_failures_a_stall_restarts_the_group_from_its_checkpoint_and_t
     assert stall["culprits"] == [1] and stall["stacks"] == str(run_dir / "stall"), stall
     assert stall["quiet_s"] >= 10 and "StuckOnRank1.forward" in stall["line"], stall
     assert (run_dir / "stall" / "rank1.txt").exists()
-    assert [event["why"] for event in summary["resizes"]] == ["a worker group restarted after a failure"]
+    assert [event["why"] for event in summary["resizes"]] == ["a worker group restarted after a stall"]
     assert summary["final"]["epoch"] == 1
 
 

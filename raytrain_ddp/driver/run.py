@@ -177,6 +177,8 @@ def kept(run_dir: Path, name: str) -> str:
 
 
 def resize_reason(event: dict[str, Any]) -> str:
+    if event.get("stall"):
+        return "a worker group restarted after a stall"
     if event["to"] == event["from"]:
         return "a worker group restarted after a failure"
     return "a worker or its node was lost" if event["to"] < event["from"] else "the cluster had room for more workers"

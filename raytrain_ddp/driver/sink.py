@@ -26,10 +26,12 @@ class Sink:
         self.last_step: dict[str, Any] | None = None
         self.rows: dict[int, dict[str, Any]] = {}
         self.beat: float | None = None
-        """When (this actor's clock) rank 0 last said a step finished, or left a validation or
-        checkpoint phase; None before the first step of a worker group, and during those phases."""
+        """When (this actor's clock) rank 0 last said a step finished, validated a batch, or left a
+        checkpoint; None before the first step of a worker group, and while it writes a checkpoint."""
         self.beat_gaps: list[float] = []
         """The latest seconds between beats: the stall watch's measure of a slow step (stall.py)."""
+        self.stall_ended = False
+        """The stall watch ended the running group: the next group's restart event says so."""
 
     def start(self, **run: Any) -> list[dict[str, Any]]:
         """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
@@ -53,6 +55,7 @@ class Sink:
         epoch, position = (run.get("resumed_at") or [1, 0])[:2]
         self.rows = {e: row for e, row in self.rows.items() if e < epoch}
         self.last_step, self.beat = None, None  # the stall watch starts again at this group's first step
+        stalled, self.stall_ended = self.stall_ended, False
         self.run["phase"] = None
         if previous is None:
             resizes = found
@@ -65,6 +68,8 @@ class Sink:
             own = [event for event in found if event["at"] not in seen]
             event = {**(own[-1] if own else {"at": time.time()}), "epoch": epoch, "position": position,
                      "from": previous, "to": run["world_size"]}
+            if stalled:
+                event["stall"] = True
             resizes = [*known, event]
         self.run.update(run, resizes=resizes)  # a restarted worker group keeps the first group's first_step_unix
         return resizes
@@ -88,6 +93,11 @@ class Sink:
         its silence; a "checkpoint" is not counted: writing one may take long (a large model, slow storage)."""
         self.beat = None if name == "checkpoint" else time.time()
         self.run["phase"] = name
+
+    def ended_for_stall(self) -> None:
+        """The stall watch ended the group for Ray Train to restart: count the silence from now (the
+        ended group is silent too), and the restart is a stall's."""
+        self.beat, self.stall_ended = time.time(), True
 
     def quiet(self) -> tuple[float | None, list[float], str | None]:
         """Seconds since rank 0's last beat (None: no step yet, or inside a checkpoint), the latest

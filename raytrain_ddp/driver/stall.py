@@ -125,7 +125,7 @@ class StallWatch:
         self.stalls.append(report)
         if len(self.stalls) > self.restarts:
             raise Stalled(report.line)
-        self.sink.phase.remote(None)  # the ended group is silent too: count from now, not from the stall
+        self.sink.ended_for_stall.remote()
         self.say(f"{report.line}; the ranks were ended: Ray Train restarts them from the latest checkpoint "
                  f"(stall {len(self.stalls)}; it restarts at most {self.restarts} failed worker groups)")
 
