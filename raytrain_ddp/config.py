@@ -154,16 +154,18 @@ class TrainConfig:
     max_failures: int = 0
     """Worker-group failures (a dead node, a killed worker) to recover from the latest checkpoint."""
     stall_timeout: float | None = None
-    """Seconds without a finished training step (validation and checkpoints not counted; under
-    `launch`, without a change in any rank's Python stack while one waits in a collective) after which
-    the run is stalled: the driver dumps every rank's Python stack to <run dir>/stall/, names the rank
-    that is not where the others wait, and fails the run at once instead of waiting out the collective
-    timeout. Default: the longer of 120 s and 10x the slowest recent step (launch: 120 s); 0 turns the
-    watch off. Under --max-failures or --workers MIN:MAX a stall is a failure: the ranks are ended and
-    restart from the latest checkpoint (each stall's stacks in stall/, stall-2/, ...; listed in summary.json)."""
+    """Seconds without a finished training step (or, in an epoch's validation, without it moving;
+    checkpoint writing not counted; under `launch`, without a change in any rank's Python stack while
+    one waits in a collective) after which the run is stalled: the driver dumps every rank's Python
+    stack to <run dir>/stall/, names the rank that is not where the others wait, and fails the run at
+    once instead of waiting out the collective timeout. Default: the longer of 120 s and 10x the
+    slowest recent step (launch: 120 s); 0 turns the watch off. Under --max-failures or --workers
+    MIN:MAX a stall is a failure: the ranks are ended and restart from the latest checkpoint (launch:
+    the scripts restart; each stall's stacks in stall/, stall-2/, ...; listed in summary.json)."""
     stop_grace_s: float = STOP_GRACE_S
-    """After SIGTERM, SIGUSR1 or Ctrl-C, seconds the ranks have to reach their next agreed step (the
-    time they spend writing a checkpoint not counted); past it the run is stalled: the driver dumps
+    """After SIGTERM, SIGUSR1 or Ctrl-C, seconds of training steps the ranks have to reach their next
+    agreed step (checkpoint writing not counted; in an epoch's validation, only seconds in which it did
+    not move); past it the run is stalled: the driver dumps
     every rank's stack to <run dir>/stall/, ends the ranks and stops anyway, keeping the last
     checkpoint."""
 

@@ -4,6 +4,7 @@ stopped moving; and every rank's stack can be printed while the run goes on."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -111,3 +112,32 @@ def test_a_watch_that_cannot_read_the_scripts_says_so_once_and_fails_nothing(ray
                     "blind.py", env=ray_head.env, cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("raytrain: the stall watch cannot read the scripts' stacks, so it will see no stall: ") == 1
+
+
+ONCE_PY = """\
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    threading.Event().wait()  # the fault, in the first attempt only
+dist.all_reduce(torch.ones(1))
+print("done", flush=True)
+"""
+
+
+@pytest.mark.e2e
+def test_under_max_failures_a_launched_stall_restarts_the_scripts_and_the_run_finishes(ray_head, tmp_path: Path):
+    (tmp_path / "once.py").write_text(ONCE_PY)
+    runs = tmp_path / "runs"
+    proc = raytrain("launch", "--workers", "2", "--stall-timeout", str(STALL_S), "--max-failures", "1",
+                    "--storage-path", str(runs), "--name", "once", "once.py", env=ray_head.env, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "; the scripts were ended: Ray Train restarts them (stall 1; it restarts at most 1" in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((runs / "once" / "summary.json").read_text())
+    [stall] = summary["stalls"]
+    assert stall["culprits"] == [1] and stall["stacks"] == str(runs / "once" / "stall"), stall
+    assert summary["attempts"] == 2 and (runs / "once" / "stall" / "rank1.txt").exists()

@@ -24,6 +24,7 @@ from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import core, preflight, shipping
 from raytrain_ddp.driver.core import Signals, StartupClock, drive
 from raytrain_ddp.driver.launch_stall import StackWatch
+from raytrain_ddp.driver.stall import Report
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, restarts, trainer_configs
@@ -171,7 +172,7 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
     say(f"{plan.world} {backend} ranks run: python {' '.join(target.argv(placement.shared))}")
     say(f"showing {which} (--show-ranks); every rank's output: {plan.run_dir / 'logs'}/rank-N.log")
     printer = Printer(hub, plan.run_dir / "logs", shown, clock)
-    watch = StackWatch(hub, cfg.stall_timeout, plan.run_dir, say)
+    watch = StackWatch(hub, cfg.stall_timeout, plan.run_dir, say, restarts(cfg))
 
     def news() -> None:
         printer.drain()
@@ -182,7 +183,7 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
     finally:
         printer.close()
     outcome = ray.get(hub.outcome.remote())
-    write_summary(plan, target, outcome, started, clock)
+    write_summary(plan, target, outcome, started, clock, watch.stalls)
     return judge(outcome, error, signals.received)
 
 
@@ -242,7 +243,8 @@ def root_cause(failed: RankExit) -> None:
         print(error.traceback.rstrip("\n"), file=sys.stderr, flush=True)
 
 
-def write_summary(plan: RunPlan, target: Target, outcome: LaunchOutcome, started: float, clock: StartupClock) -> None:
+def write_summary(plan: RunPlan, target: Target, outcome: LaunchOutcome, started: float, clock: StartupClock,
+                  stalls: list[Report]) -> None:
     peers = [p or {} for p in outcome.peers]
     world_size = outcome.world_size or plan.cfg.workers
     codes = [outcome.exits[r].code if r in outcome.exits else None for r in range(world_size)]
@@ -255,6 +257,7 @@ def write_summary(plan: RunPlan, target: Target, outcome: LaunchOutcome, started
         node_ips=[p.get("ip") for p in peers],
         exit_codes=[None if code is None else exit_status(code) for code in codes],  # as a shell shows them
         stop_signal=outcome.stop_signal,
+        stalls=[dataclasses.asdict(report) for report in stalls],  # each one Ray Train restarted from, or the last
     )
 
 

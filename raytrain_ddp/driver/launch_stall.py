@@ -2,7 +2,9 @@
 stacks: when no rank's Python stack (its main thread's, read with py-spy) changed for
 --stall-timeout seconds and at least one rank waits in a torch.distributed collective, the run is
 stalled. Then, as `raytrain run`'s watch does (stall.py's diagnose), every rank's stack goes to
-<run dir>/stall/, the rank not where the others wait is named, and the scripts are killed.
+<run dir>/stall/, the rank not where the others wait is named, and the scripts are killed: a
+failure Ray Train restarts the group from under --max-failures (or an elastic run), the run's end
+once past that budget.
 
 It also keeps <run dir>/workers.json, so `raytrain stack` can find the scripts.
 """
@@ -14,7 +16,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp.driver.stack import write_workers
-from raytrain_ddp.driver.stall import Stalled, diagnose, dump_stacks, glance, is_stack, read_place, stall_limit, training_stack
+from raytrain_ddp.driver.stall import (
+    Report, Stalled, diagnose, dump_stacks, glance, is_stack, read_place, restart_count, stall_folder, stall_limit,
+    training_stack,
+)
 
 MOST_BETWEEN_LOOKS_S = 15.0
 """The longest wait between two looks at every rank's stack."""
@@ -31,8 +36,8 @@ def between_looks(limit: float) -> float:
 class StackWatch:
     """Polled by the driver core with the hub's news: where the scripts run, and their stacks."""
 
-    def __init__(self, hub: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None]) -> None:
-        self.hub, self.run_dir, self.say = hub, Path(run_dir), say
+    def __init__(self, hub: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None], restarts: int = 0) -> None:
+        self.hub, self.run_dir, self.say, self.restarts = hub, Path(run_dir), say, restarts
         self.limit = stall_limit(timeout, [])  # a script has no steps to measure: 120 s by default, None when off
         self.ranks: list[dict[str, Any]] = []
         self.stacks: list[tuple[Any, ...]] = []
@@ -44,6 +49,8 @@ class StackWatch:
         """Whether a look read any stack of this worker group's scripts."""
         self.told_blind = False
         self.stalled: Stalled | None = None
+        self.stalls: list[Report] = []
+        """The stalls Ray Train restarted the scripts from (and the last, if it ended the run)."""
 
     def poll(self) -> None:
         """Note a new worker group's scripts (workers.json); every few seconds look at their stacks,
@@ -65,9 +72,15 @@ class StackWatch:
         self.read = self.read or any(map(is_stack, texts))
         still = self.still_for(texts)
         if still >= self.limit and any(read_place(text).collective for text in texts):
-            report = diagnose(ranks, texts, still, self.run_dir / "stall", self.say, silence="no rank's Python stack changed")
-            self.stalled = Stalled(report.line)
-            raise self.stalled
+            report = diagnose(ranks, texts, still, stall_folder(self.run_dir, self.stalls), self.say,
+                              silence="no rank's Python stack changed")
+            self.stalls.append(report)
+            if len(self.stalls) > self.restarts:
+                self.stalled = Stalled(report.line)
+                raise self.stalled
+            self.stacks, self.since = [], []  # the killed scripts: count again from the restarted ones
+            self.say(f"{report.line}; the scripts were ended: Ray Train restarts them "
+                     f"({restart_count(self.stalls, self.restarts)})")
 
     def new_group(self, ranks: list[dict[str, Any]]) -> None:
         """A new attempt's scripts (or the end of one's): note where they run, and count from nothing."""

@@ -121,13 +121,13 @@ class StallWatch:
             # now; the new group's start (sink.start) restarts the count anyway.
             self.sink.phase.remote(None)
             return
-        report = diagnose(ranks, stacks, quiet, self.folder(), self.say, silence=silence_in(phase))
+        report = diagnose(ranks, stacks, quiet, stall_folder(self.run_dir, self.stalls), self.say, silence=silence_in(phase))
         self.stalls.append(report)
         if len(self.stalls) > self.restarts:
             raise Stalled(report.line)
         self.sink.ended_for_stall.remote()
         self.say(f"{report.line}; the ranks were ended: Ray Train restarts them from the latest checkpoint "
-                 f"(stall {len(self.stalls)}; it restarts at most {self.restarts} failed worker groups)")
+                 f"({restart_count(self.stalls, self.restarts)})")
 
     def report_now(self, ranks: list[dict[str, Any]]) -> Report:
         """Diagnose the ranks as stalled now, whatever the timeout (the watch may be off): a stop
@@ -135,11 +135,17 @@ class StallWatch:
         import ray
 
         quiet, _, phase = ray.get(self.sink.quiet.remote())
-        return diagnose(ranks, dump_stacks(ranks), quiet, self.folder(), self.say, silence=silence_in(phase))
+        return diagnose(ranks, dump_stacks(ranks), quiet, stall_folder(self.run_dir, self.stalls), self.say,
+                        silence=silence_in(phase))
 
-    def folder(self) -> Path:
-        """Where the next stall's stacks go: each stall keeps its own."""
-        return self.run_dir / ("stall" if not self.stalls else f"stall-{len(self.stalls) + 1}")
+
+def restart_count(stalls: list[Report], restarts: int) -> str:
+    return f"stall {len(stalls)}; it restarts at most {restarts} failed worker groups"
+
+
+def stall_folder(run_dir: Path, before: list[Report]) -> Path:
+    """Where the next stall's stacks go: each stall keeps its own (stall/, stall-2/, ...)."""
+    return run_dir / ("stall" if not before else f"stall-{len(before) + 1}")
 
 
 def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None, folder: Path,
