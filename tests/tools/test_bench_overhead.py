@@ -39,6 +39,14 @@ def test_a_failed_torchrun_is_told_by_its_root_cause(tmp_path):
     assert proc.returncode != 0
     said = torchrun_failure(proc.stderr)
     assert said.startswith("ValueError: rank one broke; rank : 1") and "exitcode : 1" in said, said
+    # A rank that aborted at exit (gloo's teardown under load, as a CI run saw): torchrun's own text.
+    aborted = "\n".join([
+        "terminate called without an active exception", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 53, "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -6 (pid: 961)  (SIGABRT)", "=" * 53,
+    ])
+    assert torchrun_failure(aborted) == (
+        "terminate called without an active exception; rank : 1 (local_rank: 1); exitcode : -6 (pid: 961) (SIGABRT)")
 
 
 @pytest.mark.e2e
