@@ -1,6 +1,7 @@
-"""`raytrain run`'s stall watch: when no rank has finished a training step (or validation has not
-moved) for --stall-timeout seconds, dump every rank's Python stack with py-spy, say where each rank is and which one the others
-wait for, end the ranks and fail the run, instead of waiting out the collective's timeout (30 min).
+"""`raytrain run`'s stall watch: when no rank has finished a training step (or an epoch's validation
+has not moved) for --stall-timeout seconds, dump every rank's Python stack with py-spy, say where
+each rank is and which one the others wait for, end the ranks and fail the run, instead of waiting
+out the collective's timeout (30 min).
 Where Ray Train may restart the worker group (--max-failures, an elastic run), a stall is one such
 failure: the ranks are ended and the group restarts from the latest checkpoint. A stop the ranks do
 not answer in time (run.py) gets the same report.
@@ -140,6 +141,7 @@ class StallWatch:
 
 
 def restart_count(stalls: list[Report], restarts: int) -> str:
+    """How many stalls the run has restarted from, of how many it may (the stall line's end)."""
     return f"stall {len(stalls)}; it restarts at most {restarts} failed worker groups"
 
 
