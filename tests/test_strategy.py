@@ -20,6 +20,7 @@ from conftest import TINY, free_port, raytrain
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.checkpoint import files, state_dicts
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
@@ -119,10 +120,7 @@ def rank_main(rank: int, port: int, results, target, args) -> None:
         raise
     if rank == 0:
         results.put(result)
-    # Both ranks leave together: a rank that tears its group down while its peer's last collective is
-    # still in flight can abort at exit ("terminate called without an active exception", seen under load).
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(results)  # without the interpreter's teardown, where gloo's work left to a model can abort it
 
 
 def numpy_state(state: dict[str, torch.Tensor]) -> dict:

@@ -88,7 +88,7 @@ def rank_main(rank: int, port: int, settings: Settings, out) -> None:
     gathered = time.perf_counter() - start
     if rank == 0:
         out.put({"medians": medians, "gather_s": gathered, "marks_s": marks_cost(cpu)})
-    leave_group()
+    leave_group(out)
 
 
 def marks_cost(device: torch.device, micro_batches: int = 10_000) -> float:

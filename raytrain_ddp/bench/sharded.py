@@ -118,7 +118,7 @@ def rank_main(rank: int, port: int, settings: Settings, variant: str, out) -> No
         dist.all_reduce(mib, op=dist.ReduceOp.MAX)
         if rank == 0:
             out.put({"times": times, "written_after": written_after, "state_mib": mib.item()})
-    leave_group()
+    leave_group(out)
 
 
 def bench_sharded(settings: Settings, variants: tuple[str, ...] = VARIANTS) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import queue
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,9 +35,17 @@ def run_ranks(target: Callable[..., None], ranks: int, *args: Any) -> tuple[Any,
     return result, [p.exitcode for p in procs]
 
 
-def leave_group() -> None:
-    """A benchmark rank's last call: the ranks leave their group together, since a rank that tears it
-    down while a peer still finishes the last collective can abort at exit under load ("terminate
-    called without an active exception", seen on 2 busy cores)."""
+def leave_group(*queues: Any) -> NoReturn:
+    """A rank's last call, once its results are out (on `queues`, or printed): leave the group with
+    the others, then exit without the interpreter's teardown. A DDP or FSDP model still holds the
+    group after destroy_process_group, and its gloo work, torn down while the interpreter finalizes,
+    aborts the process now and then on a loaded machine ("terminate called without an active
+    exception"), a barrier before it or not."""
+    for out in queues:  # what was put must reach the parent: the queue's feeder thread dies with os._exit
+        out.close()
+        out.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
