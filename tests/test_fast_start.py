@@ -78,3 +78,24 @@ def test_a_killed_controllers_placement_group_is_gone_once_the_next_fit_starts(r
     alive = {when: {g: state for g, state in seen[when].items() if state != "REMOVED"} for when in ("during_fit2", "after_fit2")}
     assert alive == {"during_fit2": {}, "after_fit2": {}}, seen
     assert list(seen["own"].values()) == ["CREATED"], seen  # the driver's own group is not a dead controller's
+
+
+LEFT_RAY = """
+import ray
+from raytrain_ddp.ray_compat.controller import remove_dead_controllers_groups
+ray.init(logging_level="ERROR")
+ray.shutdown()  # the driver's exit, while a fit's thread still ends
+remove_dead_controllers_groups()
+print(ray.is_initialized())
+"""
+
+
+@pytest.mark.e2e
+def test_a_fit_that_ends_after_the_driver_left_ray_does_not_connect_again(ray_head):
+    """A run whose driver fails on its own (its error line said) exits while fit()'s thread still
+    ends: the clean-up at that end must not connect to Ray again, which would print Ray's connection
+    lines after the error (a CI run's OOM test saw them)."""
+    proc = subprocess.run([sys.executable, "-c", LEFT_RAY], env=ray_head.env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr[-2000:]
+    assert "Connected to Ray cluster" not in proc.stderr and "could not remove" not in proc.stderr, proc.stderr[-2000:]

@@ -104,11 +104,11 @@ def groups_of_dead_controllers() -> list[str] | None:
         from ray.core.generated.gcs_pb2 import PlacementGroupTableData
     except ImportError:
         return None
+    job = ray.get_runtime_context().get_job_id()  # first: once Ray is shut down, asking would connect again
     try:
         table = state._connect_and_get_accessor().get_placement_group_table()
     except AttributeError:
         return None
-    job = ray.get_runtime_context().get_job_id()
     driver = ray.ActorID.nil().binary()  # the creator of the driver's own groups, "dead" from the start
     found = []
     for raw in table:
@@ -131,12 +131,17 @@ def can_clean_up() -> bool:
 
 
 def remove_dead_controllers_groups() -> None:
-    """Remove the placement groups a dead controller of this job left reserved."""
+    """Remove the placement groups a dead controller of this job left reserved. Not once the driver
+    has left Ray: a fit ending after the driver's exit (its error already said) would make Ray connect
+    again, and print so after that last line; the job's end removes the groups anyway."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+    if not ray.is_initialized():
+        return
     try:
         for hex_id in groups_of_dead_controllers() or []:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(hex_id))))
     except Exception as err:  # never fail a fit's end over it: the job's exit removes them anyway
-        logger.warning("could not remove a dead controller's placement groups: %s", err)
+        if ray.is_initialized():  # else the driver shut Ray down meanwhile, after its last line
+            logger.warning("could not remove a dead controller's placement groups: %s", err)
