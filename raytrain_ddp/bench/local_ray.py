@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 
-
 @dataclass
 class Head:
     address: str

@@ -63,13 +63,17 @@ def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
     }
 
 
+ROOT_CAUSE = "Root Cause (first observed failure):"
+"""The heading of the failed rank's part of torchrun's summary."""
+
+
 def torchrun_failure(stderr: str) -> str:
     """A failed torchrun's root cause in one line: the rank's last exception (or C++ `terminate`), and
     the rank and exit code from torchrun's summary (whose border is its stderr's last line)."""
     lines = [" ".join(line.split()) for line in stderr.splitlines() if line.strip()]
     raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b|terminate called", line)
               and "ChildFailedError" not in line]
-    root = lines[lines.index("Root Cause (first observed failure):"):] if "Root Cause (first observed failure):" in lines else []
+    root = lines[lines.index(ROOT_CAUSE):] if ROOT_CAUSE in lines else []
     said = raised[-1:] + [line for line in root if line.startswith(("rank :", "exitcode :"))][:2]
     return "; ".join(said) or (lines[-1] if lines else "no output")
 
