@@ -44,6 +44,8 @@ set -euo pipefail
 # RAY_STOP_TIMEOUT        =15       seconds `stop` waits before SIGKILL
 # RAY_KEEP_TMPDIR         =0        1: keep the temp dir (Ray's logs) when the node stops
 # RAY_START_EXTRA_ARGS    =(none)   extra `ray start` flags, split on spaces
+# RAY_worker_niceness     =0        the ranks' niceness (Ray's own default is 15: any nice-0
+#                                    process on the node, a loader worker of another job, wins)
 # RAY_BIN                 =ray      the `ray` CLI
 # RAY_PYTHON              =the python beside $RAY_BIN, else python3
 # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME  =the interface that carries RAY_NODE_IP
@@ -60,6 +62,7 @@ RAY_JOIN_TIMEOUT=${RAY_JOIN_TIMEOUT:-120}
 RAY_STOP_TIMEOUT=${RAY_STOP_TIMEOUT:-15}
 RAY_KEEP_TMPDIR=${RAY_KEEP_TMPDIR:-0}
 RAY_START_EXTRA_ARGS=${RAY_START_EXTRA_ARGS:-}
+RAY_worker_niceness=${RAY_worker_niceness:-0}
 RAY_BIN=${RAY_BIN:-ray}
 
 readonly PORT_BLOCK=200          # ports B..B+10 for services, B+100..B+199 for worker processes
@@ -331,6 +334,8 @@ export_node_env() {
     export_auth_env
     # SIGTERM otherwise waits up to 30 s for the node to drain.
     export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+    # The node's workers (the ranks, and their loader workers) at the priority torchrun's get.
+    export RAY_worker_niceness
     # Head-only ports that have no flag; harmless on workers.
     export AUTOSCALER_METRIC_PORT=$((RAY_PORT_BASE + 9))
     export DASHBOARD_METRIC_PORT=$((RAY_PORT_BASE + 10))

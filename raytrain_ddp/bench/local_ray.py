@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
+from raytrain_ddp.driver.session import FULL_PRIORITY
+
 
 @dataclass
 class Head:
@@ -68,6 +70,7 @@ def local_head(
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop in ~2 s, not 30
+        **FULL_PRIORITY,
         **(extra_env or {}),
     }
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):

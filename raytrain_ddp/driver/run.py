@@ -196,6 +196,21 @@ def describe_resize(event: dict[str, Any]) -> str:
     )
 
 
+def niced(ranks: list[dict[str, Any]]) -> str | None:
+    """The start's one line when ranks run niced, which a cluster we joined may do (Ray's workers
+    default to nice 15); None when every rank runs at nice 0 or below."""
+    slow = [(rank, where) for rank, where in enumerate(ranks) if where.get("nice", 0) > 0]
+    if not slow:
+        return None
+    hosts = sorted({where["hostname"] for _, where in slow})
+    nice = max(where["nice"] for _, where in slow)
+    return (
+        f"{len(slow)} of {len(ranks)} ranks (on {', '.join(hosts)}) run at nice {nice}, so any process at nice 0 "
+        "on their nodes takes the CPU first: start that cluster's Ray nodes with RAY_worker_niceness=0 in "
+        "their environment (cluster/ray_node.sh and the sbatch do)"
+    )
+
+
 class RunNews:
     """Rank 0's news, polled from the sink by the driver core: the display, the metrics files, the
     trackers, and the lines for what happened (a resume, a drain, a resize, the start-up stages)."""
@@ -293,6 +308,8 @@ class RunNews:
         if info.get("drain_saved") and info["drain_saved"] != was.get("drain_saved"):
             epoch, position = info["drain_saved"]
             lines.append(f"Ray is draining a node of this run: checkpointed at epoch {epoch} after {position} samples")
+        if info.get("ranks") and not was.get("ranks") and (line := niced(info["ranks"])):
+            lines.append(line)  # once: a restarted group runs on the same cluster
         lines += [describe_resize(event) for event in info.get("resizes", [])[len(was.get("resizes", [])) :]]
         if info.get("startup") and info.get("first_step_unix"):
             started = self.clock.ranks_started({**info["startup"], "first step": info["first_step_unix"]})

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ddp import ray_compat
+from raytrain_ddp.worker import host_sync
 
 CONTROL_EVERY = 20
 """At most this many micro-batches between the ranks' agreements on whether to stop (a signal, a
@@ -67,13 +68,14 @@ class Control:
         `step` if it just reached the patience."""
         self.bad_run = torch.where(torch.isfinite(loss), 0.0, self.bad_run + 1)
         diverged = (self.bad_step == 0) & (self.bad_run >= self.patience)
-        self.bad_step = torch.where(diverged, torch.tensor(float(step), device=loss.device), self.bad_step)
+        self.bad_step = self.bad_step.masked_fill(diverged, float(step))  # a Python scalar: no copy to the device
 
     def agree(self, step: int, epoch: int, pass_start: float) -> None:
         """At the pass's micro-batch `step`, if an agreement is due there; a diverged loss raises."""
         if step != self.next_at:
             return
-        stop, draining, elapsed = agree_to_stop(self.rank, self.sink, self.bad_step, self.patience, epoch, pass_start)
+        with host_sync.allowed():
+            stop, draining, elapsed = agree_to_stop(self.rank, self.sink, self.bad_step, self.patience, epoch, pass_start)
         self.stopping = self.stopping or stop
         self.drain_news = self.drain_news or (draining and not self.drain_saved)
         self.drain_saved = self.drain_saved or draining

@@ -32,7 +32,7 @@ from raytrain_ddp.data.batches import Loaders
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.worker import parallel
+from raytrain_ddp.worker import host_sync, parallel
 from raytrain_ddp.worker.control import Control
 from raytrain_ddp.worker.epoch_metrics import all_reduce_means, epoch_resources, epoch_row, evaluate
 from raytrain_ddp.worker.models import model_builder
@@ -118,20 +118,23 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
 
     # [5] Epochs: a pass of optimizer steps, then validation and the epoch's checkpoint.
     control = Control.new(rank, sink, amp_dtype, device)
-    while state.epoch <= cfg.epochs:
-        # This epoch's order, the same on every rank, minus the samples already trained.
-        micro_steps = loaders.set_epoch(state.epoch, state.position)
-        model.train()
-        clock = Clock(counted=state.sums.clone())
-        if train_epoch(run, state, control, clock, micro_steps):
-            return  # the ranks agreed to stop: saved where that optimizer step ended
-        if end_epoch(run, state, control, clock):
-            return
+    with host_sync.wall(device):  # tests only: a host sync outside the named points raises
+        while state.epoch <= cfg.epochs:
+            # This epoch's order, the same on every rank, minus the samples already trained.
+            micro_steps = loaders.set_epoch(state.epoch, state.position)
+            model.train()
+            clock = Clock(counted=state.sums.clone())
+            if train_epoch(run, state, control, clock, micro_steps):
+                return  # the ranks agreed to stop: saved where that optimizer step ended
+            with host_sync.allowed():
+                if end_epoch(run, state, control, clock):
+                    return
 
 
 def where_ranks_run(world_size: int) -> list[dict[str, Any]]:
-    """Every rank's host, IP and pid, in rank order, on every rank."""
-    where = {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+    """Every rank's host, IP, pid and niceness, in rank order, on every rank."""
+    where = {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+             "nice": os.getpriority(os.PRIO_PROCESS, 0)}
     ranks = [where] * world_size
     if world_size > 1:
         dist.all_gather_object(ranks, where)
@@ -217,15 +220,14 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
         last = min(first + run.accum - 1, micro_steps)  # the epoch's last step may have fewer micro-batches
         run.optimizer.zero_grad(set_to_none=True)
         for step in range(first, last + 1):  # gradients add up locally; the ranks sync them on the last only
-            (inputs, labels), waited = next(batches)
+            with host_sync.allowed():  # the loader's work on the host is not the step's
+                (inputs, labels), waited = next(batches)
             run.parts.waited(waited)
             inputs, labels = to_device(inputs, labels, run.device)
             loss, logits = forward_backward(run.model, inputs, labels, run.amp_dtype, run.scaler, cfg.label_smoothing,
                                             weight=1 / (last - first + 1), sync=step == last, parts=run.parts)
             state.count(loss, logits, labels)
             control.count(loss, done + step)
-            if run.rank == 0 and time.perf_counter() - clock.last_update >= PROGRESS_EVERY_S:
-                show_progress(run, state, clock, loss, done + step)
             control.agree(step, state.epoch, clock.start)  # a stop or drain it agrees waits for the step's end
             if step < last:  # the last one's profiled step holds the optimizer step and any checkpoint
                 run.profiler.step(waited)
@@ -235,15 +237,20 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
         set_lr(run.optimizer, cfg.lr * lr_factor(state.schedule, state.samples, cfg.scheduler))
         apply_gradients(run.model, run.optimizer, run.scaler, cfg.clip_grad_norm)
         state.train_time += clock.lap()
+        # After the step, so the first update (the run's first-step mark) counts the optimizer step too.
+        if run.rank == 0 and time.perf_counter() - clock.last_update >= PROGRESS_EVERY_S:
+            show_progress(run, state, clock, loss, done + last)
         if run.checkpointer.due(opt_step, force=control.stopping or control.drain_news):
             tell_phase(run, "checkpoint")
-            run.checkpointer.save(state, opt_step, force=True)
+            with host_sync.allowed():
+                run.checkpointer.save(state, opt_step, force=True)
             tell_phase(run, None)
             clock.lap()  # the checkpoint is no training time
             if stopped_after_save(run, state, control, done + last):
                 return True
         run.profiler.step(waited)
-    next(batches, None)  # asked once more, as a for loop would: the loader ends its epoch (workers, Ray Data's split)
+    with host_sync.allowed():
+        next(batches, None)  # asked once more, as a for loop would: the loader ends its epoch (workers, Ray Data's split)
     run.profiler.finish()  # the first pass only: no validation or checkpoint inside a profiled step
     state.train_time += clock.lap()
     return False
@@ -258,11 +265,14 @@ def to_device(inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) 
 
 
 def show_progress(run: Setup, state: TrainState, clock: Clock, loss: torch.Tensor, step: int) -> None:
-    """Rank 0's step update for the driver's display; its only host syncs in a pass."""
+    """Rank 0's step update for the driver's display, at most once per PROGRESS_EVERY_S: a named host
+    sync (host_sync.py), with the ranks' agreement (control.py), a checkpoint and the epoch's end."""
     clock.last_update = time.perf_counter()
-    rate = (state.sums[2].item() - clock.counted[2].item()) * run.world_size
+    with host_sync.allowed():
+        rate = (state.sums[2].item() - clock.counted[2].item()) * run.world_size
+        loss_now = loss.item()
     run.sink.step.remote(
-        epoch=state.epoch, step=step, loss=loss.item(), at=time.time(),
+        epoch=state.epoch, step=step, loss=loss_now, at=time.time(),
         samples_per_s=rate / max(clock.last_update - clock.start, 1e-9),
     )
 

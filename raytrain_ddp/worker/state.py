@@ -51,9 +51,10 @@ class TrainState:
         return (self.epoch - 1) * self.train_size + self.position
 
     def count(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add one micro-batch to the running sums, on the device."""
-        n = torch.tensor(len(labels), device=self.sums.device)
-        self.sums += torch.stack([loss * n, (logits.argmax(1) == labels).sum(), n]).double()
+        """Add one micro-batch to the running sums, on the device. The count stays a Python number:
+        a scalar tensor made for the device is a blocking copy, which would wait for the queued step."""
+        n = len(labels)
+        self.sums += torch.stack([(loss * n).double(), (logits.argmax(1) == labels).sum().double(), loss.new_full((), n, dtype=torch.float64)])
 
     def next_epoch(self) -> None:
         """The epoch ended: the next starts at its first sample, with nothing counted."""

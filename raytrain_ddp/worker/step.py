@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker import parallel
+from raytrain_ddp.worker import host_sync, parallel
 from raytrain_ddp.worker.part_clock import PartClock
 
 
@@ -73,5 +73,6 @@ def apply_gradients(
     if clip_grad_norm > 0:
         scaler.unscale_(optimizer)  # fp16: clip the true gradients, not the loss-scaled ones
         parallel.clip_grad_norm(model, clip_grad_norm)  # the global norm, over sharded gradients too
-    scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
+    with host_sync.allowed(scaler.is_enabled()):  # fp16: the scaler reads its overflow flag back, a named sync
+        scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
     scaler.update()

@@ -1,0 +1,116 @@
+"""A wall against host syncs inside a training step, for tests: on a GPU a sync makes the CPU wait for
+every kernel queued so far, so it can no longer run ahead of the GPU, and the step runs slower than
+the loop a user writes by hand.
+
+The pass's syncs are at the points the loop names with `allowed()`: the ranks' agreement
+(control.py), rank 0's progress update, a checkpoint, and the epoch's end; under fp16, also the loss
+scaler's overflow check in each optimizer step (torch's GradScaler reads it back; bf16 needs none). Anywhere else, with
+RAYTRAIN_CHECK_HOST_SYNC=1 in the ranks' environment, a sync raises:
+- on a GPU, through torch.cuda.set_sync_debug_mode("error"): every sync torch makes (`.item()`, a
+  blocking copy, a synchronize);
+- on a CPU, which has no syncs to catch, the calls that would be one on a GPU: a tensor read back to
+  Python (`.item()`, `float(t)`, `bool(t)`), and a tensor made from Python data for a device
+  (`torch.tensor(x, device=...)`, a blocking copy from pageable memory).
+Unset, both functions cost a flag test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CHECK_ENV = "RAYTRAIN_CHECK_HOST_SYNC"
+"""1 in the ranks' environment: a host sync outside the named points raises (tests/test_host_sync.py)."""
+
+
+class HostSyncError(RuntimeError):
+    """A host sync inside a training step."""
+
+
+_wall: dict[str, Any] = {"up": False, "cuda": False, "lifted": 0}
+"""Whether the wall stands, on which device, and how deep the named points that lift it are nested."""
+
+
+@contextlib.contextmanager
+def wall(device: torch.device) -> Iterator[None]:
+    """Around the epochs: host syncs raise outside `allowed()`, when CHECK_ENV asks for it."""
+    if os.environ.get(CHECK_ENV) != "1":
+        yield
+        return
+    _wall.update(up=True, cuda=device.type == "cuda", lifted=0)
+    try:
+        if _wall["cuda"]:
+            torch.cuda.set_sync_debug_mode("error")
+            yield
+        else:
+            with _NoDeviceScalars(), _NoReadBack():
+                yield
+    finally:
+        if _wall["cuda"]:
+            torch.cuda.set_sync_debug_mode("default")
+        _wall["up"] = False
+
+
+@contextlib.contextmanager
+def allowed(when: bool = True) -> Iterator[None]:
+    """A named sync point (or host work that is not the step's, the loader): the wall, if it stands,
+    is lifted for the block, `when` it is one."""
+    if not (_wall["up"] and when):
+        yield
+        return
+    _wall["lifted"] += 1
+    if _wall["cuda"]:
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        _wall["lifted"] -= 1
+        if _wall["cuda"] and _wall["lifted"] == 0:
+            torch.cuda.set_sync_debug_mode("error")
+
+
+def _refuse(what: str, frame: traceback.FrameSummary) -> None:
+    if _wall["lifted"] == 0:
+        raise HostSyncError(f"a host sync inside a training step at {frame.filename}:{frame.lineno} ({frame.line}): "
+                            f"{what}; move it to a named sync point (worker/host_sync.py)")
+
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+PASSAGE = tuple(os.path.join(TORCH_DIR, *path) for path in (("_compile.py",), ("_dynamo", "eval_frame.py"),
+                                                              ("utils", "_python_dispatch.py"), ("overrides.py",)))
+"""torch's frames between a call and a Python mode's handler."""
+
+
+def _caller() -> traceback.FrameSummary:
+    """The frame that made the call a mode sees: the innermost one outside this module and torch's passage to it."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename != __file__ and not frame.filename.startswith(PASSAGE):
+            return frame
+    raise AssertionError("a mode's handler with no caller")
+
+
+class _NoDeviceScalars(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None and not _wall["lifted"]:
+            _refuse(f"{func.__name__}(..., device={kwargs['device']}) copies Python data to the device", _caller())
+        return func(*args, **kwargs)
+
+
+class _NoReadBack(TorchDispatchMode):
+    """On a CPU every tensor is the host's: only a read made from outside torch (ours, the user's) is
+    taken for one of the device's. torch's own reads, such as DDP's reducer's from host-side flags,
+    are left to the GPU test, where the device tells them apart."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not _wall["lifted"]:
+            frame = _caller()
+            if not frame.filename.startswith(TORCH_DIR):
+                _refuse("a tensor read back to Python (.item(), float(), int() or bool() of a tensor)", frame)
+        return func(*args, **(kwargs or {}))
