@@ -9,7 +9,7 @@ half-accumulated gradients.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -42,7 +42,12 @@ class Control:
     bad_step: torch.Tensor
     """The step (as displayed) where this pass diverged, 0 while it has not; on the device."""
     bad_run: torch.Tensor
-    """Non-finite losses in a row so far; on the device."""
+    """Non-finite losses in a row up to `losses`; on the device."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """The losses since the last agreement, on the device: read there, in a few kernels for them all,
+    instead of a few per micro-batch."""
+    first: int = 0
+    """The step (as displayed) of losses[0]."""
     next_at: int = 1
     """The pass's micro-batch of the next agreement; the first one also measures the pace."""
     stopping: bool = False
@@ -61,19 +66,34 @@ class Control:
     def new_pass(self) -> None:
         """An epoch's pass begins: its micro-batches count from 1, with nothing agreed yet."""
         self.bad_step, self.bad_run = torch.zeros_like(self.bad_step), torch.zeros_like(self.bad_run)
-        self.next_at, self.stopping, self.drain_news = 1, False, False
+        self.next_at, self.stopping, self.drain_news, self.losses = 1, False, False, []
 
     def count(self, loss: torch.Tensor, step: int) -> None:
-        """After each micro-batch, on the device (no host sync): the run of non-finite losses, and
-        `step` if it just reached the patience."""
-        self.bad_run = torch.where(torch.isfinite(loss), 0.0, self.bad_run + 1)
-        diverged = (self.bad_step == 0) & (self.bad_run >= self.patience)
-        self.bad_step = self.bad_step.masked_fill(diverged, float(step))  # a Python scalar: no copy to the device
+        """After each micro-batch (`step`, as displayed, one more than the last one's): kept for the
+        next agreement."""
+        if not self.losses:
+            self.first = step
+        self.losses.append(loss)
+
+    def settle(self) -> None:
+        """Fold the kept losses into the run of non-finite ones and the step where it first reached
+        the patience, on the device (no host sync)."""
+        if not self.losses:
+            return
+        bad = ~torch.isfinite(torch.stack(self.losses))
+        at = torch.arange(len(self.losses), device=bad.device)
+        last_good = torch.cummax(torch.where(bad, -1, at), 0).values  # -1: none since the last agreement
+        run = torch.where(last_good >= 0, at - last_good, self.bad_run + at + 1)
+        reached = run >= self.patience
+        diverged = (self.bad_step == 0) & reached.any()
+        self.bad_step = torch.where(diverged, self.first + reached.int().argmax(), self.bad_step).double()
+        self.bad_run, self.losses = run[-1].double(), []
 
     def agree(self, step: int, epoch: int, pass_start: float) -> None:
         """At the pass's micro-batch `step`, if an agreement is due there; a diverged loss raises."""
         if step != self.next_at:
             return
+        self.settle()
         with host_sync.allowed():
             stop, draining, elapsed = agree_to_stop(self.rank, self.sink, self.bad_step, self.patience, epoch, pass_start)
         self.stopping = self.stopping or stop
@@ -84,6 +104,7 @@ class Control:
 
     def at_epoch_end(self, epoch: int, pass_start: float) -> bool:
         """The pass's last agreement: whether to stop after the epoch's checkpoint."""
+        self.settle()
         stop, _, _ = agree_to_stop(self.rank, self.sink, self.bad_step, self.patience, epoch, pass_start)
         return stop or self.stopping  # asked for after the epoch's last agreement
 
