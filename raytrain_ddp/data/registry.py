@@ -47,6 +47,9 @@ class SyntheticImages(Dataset):
     and every DataLoader worker produces the same sample for the same index.
     """
 
+    random_streams = ()
+    """No global stream: the noise comes from a generator of the sample's own."""
+
     def __init__(self, size: int, num_classes: int, image_size: int, seed: int, split: int):
         self.size, self.seed, self.split = size, seed, split
         g = torch.Generator().manual_seed(seed)

@@ -4,6 +4,10 @@ Exactness: the epoch's order depends only on (seed, epoch), and each training sa
 augmentation only on (seed, epoch, sample index), never on which rank or loader worker draws it or
 where the run resumed. So a resumed run, at any world size and with any --data-workers, trains on
 exactly the samples, and the augmented images, that the uninterrupted run would have.
+
+The augmentation draws from the global streams (torchvision's transforms draw from torch's CPU
+generator, a user's from whichever they like), so each sample seeds the ones its dataset draws from:
+all three unless it names fewer in a `random_streams` attribute, as ours do (a TensorDataset: none).
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, get_worker_info
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.batches import Batches, Loaders, SkipCount
@@ -49,20 +53,34 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return ((seed * 1_000_003 + epoch) << 32) + index
 
 
+class Stream(NamedTuple):
+    get_state: Callable[[], Any]
+    set_state: Callable[[Any], None]
+    seed: Callable[[int], Any]
+
+
+STREAMS: dict[str, Stream] = {
+    # The CPU generator alone: torch.manual_seed would also seed every device's, 100x the cost.
+    "torch": Stream(torch.default_generator.get_state, torch.default_generator.set_state,
+                    torch.default_generator.manual_seed),
+    "python": Stream(random.getstate, random.setstate, random.seed),
+    "numpy": Stream(np.random.get_state, np.random.set_state, lambda seed: np.random.seed(seed % 2**32)),
+}
+"""The global random streams a dataset's random transforms may draw from, by name."""
+
+
 @contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """torch's, Python's and NumPy's global streams seeded for the block, and given back after it,
-    so the process's own streams (dropout, a loader worker's) do not move."""
-    python, legacy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        try:
-            yield
-        finally:
-            random.setstate(python)
-            np.random.set_state(legacy)
+def seeded(seed: int, streams: tuple[str, ...], restore: bool) -> Iterator[None]:
+    """The named global streams seeded for the block; with `restore`, given back after it, so the
+    process's own streams (dropout, when the training process loads its own data) do not move."""
+    saved = [(STREAMS[name].set_state, STREAMS[name].get_state()) for name in streams] if restore else []
+    for name in streams:
+        STREAMS[name].seed(seed)
+    try:
+        yield
+    finally:
+        for set_state, state in saved:
+            set_state(state)
 
 
 class PerSampleRandom(Dataset):
@@ -71,13 +89,22 @@ class PerSampleRandom(Dataset):
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
+        # torch's TensorDataset hands back the tensors it holds: it draws from no stream.
+        self.streams = tuple(getattr(dataset, "random_streams", () if type(dataset) is TensorDataset else STREAMS))
+        if unknown := set(self.streams) - set(STREAMS):
+            raise ValueError(f"{type(dataset).__name__}.random_streams names {sorted(unknown)}: a tuple of "
+                             f"{', '.join(STREAMS)} or fewer")
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
-        with seeded(sample_seed(self.seed, epoch, index)):
+        if not self.streams:  # a TensorDataset's read takes about as long as the context would
+            return self.dataset[index]
+        # A loader worker's streams feed nothing but this dataset, which seeds them for every sample:
+        # giving them back there would only cost (NumPy's state alone takes 65 us to read and write).
+        with seeded(sample_seed(self.seed, epoch, index), self.streams, restore=get_worker_info() is None):
             return self.dataset[index]
 
 

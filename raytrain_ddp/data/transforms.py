@@ -65,6 +65,9 @@ class Prepared(Dataset):
     image labelled UNREADABLE, so batches keep their shape and Batches can drop and count it.
     """
 
+    random_streams = ("torch",)
+    """Where the transforms draw from: torchvision's v2 transforms, torch's global CPU generator only."""
+
     def __init__(self, samples: Samples, transform: v2.Transform, skip_bad: bool, shape: tuple[int, ...]):
         self.samples, self.transform, self.skip_bad, self.shape = samples, transform, skip_bad, shape
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import random
 
+import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 from conftest import TINY, raytrain
 from sample_files import (
     assert_learned,
@@ -23,8 +26,8 @@ from raytrain_ddp.data import formats
 from raytrain_ddp.data.batches import UNREADABLE, Batches, SkipCount
 from raytrain_ddp.data.convert import convert
 from raytrain_ddp.data.loaders import make_loaders
-from raytrain_ddp.data.registry import validate
-from raytrain_ddp.data.torch_ingest import epoch_shard, trained_position
+from raytrain_ddp.data.registry import DATASETS, validate
+from raytrain_ddp.data.torch_ingest import STREAMS, PerSampleRandom, epoch_shard, sample_seed, trained_position
 
 # --- the torch ingest path: sharding ---
 
@@ -83,6 +86,85 @@ def test_the_epoch_order_is_distributed_samplers():
     reference = DistributedSampler(range(23), num_replicas=3, rank=1, shuffle=True, seed=7)
     reference.set_epoch(4)
     assert epoch_shard(23, 3, 1, seed=7, epoch=4) == list(reference)
+
+
+# --- each sample's augmentation: a function of (seed, epoch, index) alone ---
+
+class GlobalDraws(torch.utils.data.Dataset):
+    """A user's dataset whose random transform draws from torch's, Python's and NumPy's global streams."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.tensor([torch.rand(()).item(), random.random(), np.random.rand()], dtype=torch.float64), index
+
+
+def seed_globals(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def next_draws() -> tuple:
+    return torch.rand(3).tolist(), random.random(), np.random.rand(), np.random.randn()
+
+
+def test_a_samples_augmentation_depends_only_on_seed_epoch_and_index():
+    """Whatever the global streams held before, in the training process or a loader worker."""
+    keys = [(1, 3), (1, 4), (2, 3)]
+
+    def samples(before: int, workers: int) -> list[torch.Tensor]:
+        seed_globals(before)  # a loader's workers seed their own streams from the global one, too
+        loader = torch.utils.data.DataLoader(PerSampleRandom(GlobalDraws(), seed=5), sampler=keys, batch_size=None,
+                                             num_workers=workers)
+        return [sample for sample, _ in loader]
+
+    first = samples(before=1, workers=0)
+    for before, workers in ((2, 0), (1, 2), (3, 2)):
+        assert all(map(torch.equal, samples(before, workers), first))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])  # another index, epoch
+    # The streams that checkpoints written before per-stream seeding drew from, value for value.
+    seed = sample_seed(5, 1, 3)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    assert torch.equal(GlobalDraws()[3][0], first[0])
+
+
+def test_drawing_a_sample_moves_no_stream_of_the_training_process():
+    """With --data-workers 0 the model's dropout draws from the streams of the process that loads."""
+    seed_globals(11)
+    np.random.randn()  # an odd number of normals leaves NumPy a cached one, part of its state too
+    expected = next_draws()
+    seed_globals(11)
+    np.random.randn()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    PerSampleRandom(GlobalDraws(), seed=5)[(1, 3)]
+    assert next_draws() == expected
+    if cuda is not None:  # torch.manual_seed would reseed it
+        assert torch.equal(torch.cuda.get_rng_state(), cuda)
+
+
+@pytest.mark.parametrize("dataset", ["imagefolder", "synthetic"])
+def test_our_datasets_draw_from_no_stream_but_those_they_name(tmp_path, dataset):
+    write_imagefolder(tmp_path, per_class=2, val_per_class=1)
+    train = DATASETS[dataset](cfg_for(dataset, tmp_path, train_samples=8)).train
+    seed_globals(3)
+    expected = next_draws()
+    seed_globals(3)
+    for index in range(len(train)):
+        train[index]
+    draws = next_draws()
+    for name, drawn, want in zip(("torch", "python", "numpy", "numpy"), draws, expected):
+        assert drawn == want or name in train.random_streams
+    assert set(train.random_streams) <= set(STREAMS)
+
+    def augmented(before: int) -> torch.Tensor:
+        seed_globals(before)
+        return torch.stack([PerSampleRandom(train, seed=5)[(1, index)][0] for index in range(len(train))])
+
+    assert torch.equal(augmented(1), augmented(2))
 
 
 # --- bad samples, at the moment they are read ---
@@ -196,3 +278,13 @@ def test_e2e_a_corrupt_image_fails_the_run_naming_the_file(tmp_path, ray_head):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert str(jpeg) in last and "--skip-bad" in last, result.stderr[-3000:]
+
+
+def test_a_tensor_dataset_is_read_without_seeding_and_any_other_seeds_every_stream():
+    tensors = TensorDataset(torch.arange(4.0))
+    assert PerSampleRandom(tensors, seed=0).streams == ()
+
+    class Yours(TensorDataset):  # a subclass may add random transforms of its own
+        pass
+
+    assert PerSampleRandom(Yours(torch.arange(4.0)), seed=0).streams == tuple(STREAMS)

@@ -26,14 +26,18 @@ def test_generated_set_is_64px_jpegs_in_class_folders(tmp_path):
     assert 1000 < train[0].stat().st_size < 6000  # about a TinyImageNet file, not a flat colour
 
 
-def test_table_prints_per_core_rates_and_ratios():
-    report = {"images": 320, "size": 64, "batch_size": 32, "cpus": 2, "per_core": "images per CPU-second", "results": [
-        {"path": "baseline", "images_per_s": 1000.0, "cpu_seconds": 0.64, "per_core": 500.0, "vs_baseline": 1.0},
-        {"path": "ray+parquet", "images_per_s": 1500.0, "cpu_seconds": 0.43, "per_core": 750.0, "vs_baseline": 1.5},
-    ]}
+def test_table_prints_cpu_per_image_and_the_ratio_to_the_plain_path():
+    report = {"images": 314, "size": 64, "batch_size": 32, "cpus": 2, "cpu": "CPU time of the process and its workers",
+              "results": [
+                  {"source": "parquet", "path": "plain", "images_per_s": 1000.0, "cpu_seconds": 0.64, "us_per_image": 2038.2,
+                   "vs_plain": 1.0},
+                  {"source": "parquet", "path": "ray", "images_per_s": 1500.0, "cpu_seconds": 0.43, "us_per_image": 1369.4,
+                   "vs_plain": 0.67},
+              ]}
     lines = bench_data.table(report).splitlines()
-    assert "2 loader CPUs" in lines[0] and "images per CPU-second" in lines[0]
-    assert lines[-1].split() == ["ray+parquet", "1500", "0.4", "750", "1.50x"]
+    assert "2 loader CPUs" in lines[0] and "CPU time of the process and its workers" in lines[0]
+    assert lines[1].split() == ["source", "path", "images/s", "CPU", "s", "CPU", "us/image", "vs", "plain"]
+    assert lines[-1].split() == ["parquet", "ray", "1500", "0.43", "1369", "0.67x"]
 
 
 def test_cpu_time_counts_child_processes():
@@ -49,13 +53,15 @@ def test_cpu_time_counts_child_processes():
     assert seen > 0.1
 
 
-def test_torch_paths_without_ray(tmp_path):
-    report = bench_data.bench_data(images=120, cpus=1, batch_size=16, passes=1, workdir=tmp_path,
-                                   paths=("baseline", "torch", "torch+parquet"), echo=lambda _: None)
-    counts = {r["path"]: r["images"] for r in report["results"]}
-    assert counts == {"baseline": 118, "torch": 118, "torch+parquet": 118}  # the same train split
-    assert all(r["images_per_s"] > 0 and r["cpu_seconds"] > 0 and r["vs_baseline"] > 0 for r in report["results"])
-    assert report["per_core"] == "images per CPU-second"
+def test_plain_and_torch_paths_of_every_source_without_ray(tmp_path):
+    paths = tuple(p for p in bench_data.PATHS if not p.endswith("/ray"))
+    report = bench_data.bench_data(images=300, cpus=1, batch_size=16, passes=1, workdir=tmp_path, paths=paths,
+                                   echo=lambda _: None)
+    assert [f"{r['source']}/{r['path']}" for r in report["results"]] == list(paths)
+    assert all(r["images"] == 294 for r in report["results"])  # the same train split, and as many synthetic
+    assert all(r["images_per_s"] > 0 and r["cpu_seconds"] > 0 and r["us_per_image"] > 0 for r in report["results"])
+    assert [r["vs_plain"] for r in report["results"] if r["path"] == "plain"] == [1.0] * 3
+    assert report["cpu"] == "CPU time of the process and its workers"
 
 
 @pytest.mark.e2e
@@ -67,6 +73,6 @@ def test_tiny_benchmark_runs_every_path(tmp_path, ray_head):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert [r["path"] for r in report["results"]] == ["baseline", "torch", "torch+parquet", "ray+parquet"]
-    assert all(r["images"] == 314 and r["per_core"] > 0 for r in report["results"])
-    assert "vs baseline" in result.stdout and "1.00x" in result.stdout
+    assert [f"{r['source']}/{r['path']}" for r in report["results"]] == list(bench_data.PATHS)
+    assert all(r["images"] == 314 and r["us_per_image"] > 0 for r in report["results"])
+    assert "vs plain" in result.stdout and "1.00x" in result.stdout
