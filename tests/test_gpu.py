@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -41,14 +42,16 @@ def test_gpu_fsdp_run_resumes_through_its_shards(tmp_path):
     assert "resumed from the checkpoint at epoch 2" in again.stdout, again.stdout[-2000:]
 
 
-def test_gpu_overhead_benchmark_prints_gpu_memory():
-    proc = raytrain("bench", "overhead", "--gpu", "--workers", "1", "--rounds", "1", "--epochs", "2",
-                    "--model", "resnet18", "--image-size", "64", "--train-samples", "1024", "--val-samples", "64",
-                    "--batch-size", "64", "--data-workers", "2", timeout=600)
+def test_gpu_overhead_benchmark_runs_the_compute_regime_on_the_gpu():
+    proc = raytrain("bench", "overhead", "--gpu", "--workers", "1", "--regime", "compute", "--rounds", "1",
+                    "--epochs", "2", "--train-samples", "1024", "--val-samples", "64", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
-    torchrun = next(line for line in proc.stdout.splitlines() if line.startswith("torchrun "))
-    assert float(torchrun.split()[6]) > 0  # the GPU MiB column
+    assert "resnet50, 224 px, bf16" in proc.stdout
+    for arm in ("hand loop ", "raytrain "):
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(arm) and "first step" not in line)
+        cells = row[len(arm):].split()
+        assert float(cells[2]) > 0 and float(cells[5]) > 0  # samples/s, peak GPU MiB
 
 
 def test_launch_gives_each_rank_its_own_gpu_for_nccl(tmp_path):
@@ -62,3 +65,13 @@ def test_launch_gives_each_rank_its_own_gpu_for_nccl(tmp_path):
     said = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(workers)]
     assert [s["gpu"] for s in said] == [int(s["env"]["LOCAL_RANK"]) for s in said]
     assert all(len(s["cuda_visible"].split(",")) == workers for s in said)
+
+
+def test_gpu_steps_make_no_host_sync_outside_the_named_points(tmp_path):
+    """Real steps of the loop under torch.cuda.set_sync_debug_mode("error") (worker/host_sync.py): any
+    sync but the ranks' agreement, the progress update, a checkpoint and the epoch's end fails the run."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAYTRAIN_CHECK_HOST_SYNC": "1"}
+    proc = raytrain("run", *TINY, "--gpu", "--workers", str(torch.cuda.device_count()), "--model", "resnet18",
+                    "--image-size", "64", "--train-samples", "2048", "--data-workers", "2",
+                    "--storage-path", str(tmp_path), "--name", "sync", env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,13 +1,14 @@
-"""`raytrain bench overhead`: what Ray Train costs against plain `torchrun --standalone`.
+"""`raytrain bench overhead`: what `raytrain run` costs against the DDP loop a user writes by hand.
 
-The same training three ways, alternated round by round so that drifting machine load hits all of
-them alike: torchrun; `raytrain run` starting a fresh local Ray; `raytrain run` against a Ray
-cluster that is already up (as on Slurm, where the sbatch starts Ray before the run). Each reports
-the time from command start to the end of the first optimizer step, where those seconds went (the
-start-up stages of startup.py; torchrun's where it has them), steady-state samples/s, and peak RSS
-per worker. With --gpu both use NCCL and the GPU speed habits, and the table adds peak GPU
-memory; with --workers 1 the baseline is a plain single-process loop. It prints figures; it
-asserts nothing about speed.
+In each regime (regimes.py: compute-bound, input-bound, per-step overhead) the two arms train the
+same model on the same data with the same per-rank batch, threads, niceness and loader settings,
+alternated round by round so that drifting machine load hits both alike: the hand-written loop
+under `torchrun --standalone` (torchrun_baseline.py), and `raytrain run` on a Ray that is already
+up (a private head, as on Slurm, where the sbatch starts Ray before the run). Each reports the
+time from command start to the end of the first optimizer step, where those seconds went (the
+start-up stages of startup.py; the hand loop's where it has them), steady-state samples/s, and the
+niceness of its ranks. The machine's load is printed at each regime's start and end. It prints
+figures; it asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -20,46 +21,74 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from raytrain_ddp.bench.data import make_jpegs
+from raytrain_ddp.bench.local_ray import local_head
+from raytrain_ddp.bench.regimes import GPU_COMPUTE, REGIMES, Regime, write_tensors
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
-from raytrain_ddp.driver.startup import RUN_STAGES, stages, stages_line
-from raytrain_ddp.bench.local_ray import local_head
 from raytrain_ddp.driver.scale import steady
+from raytrain_ddp.driver.startup import RUN_STAGES, stages, stages_line
 
-VARIANTS = ("torchrun", "raytrain fresh Ray", "raytrain running Ray")
+ARMS = ("hand loop", "raytrain")
+"""The hand-written loop under torchrun, and `raytrain run` on a running Ray."""
 TORCHRUN_STAGES = ("python", "process group", "data", "model", "first step")
-"""The baseline's stages, named as raytrain's: `python` is torchrun's agent, the ranks' interpreters
+"""The hand loop's stages, named as raytrain's: `python` is torchrun's agent, the ranks' interpreters
 and their imports; the rest as in startup.RUN_STAGES."""
 
 
-def plain_env(cfg: TrainConfig) -> dict[str, str]:
+def regime_config(cfg: TrainConfig, regime: Regime, overrides: dict[str, Any], workdir: Path) -> TrainConfig:
+    """The run both arms make of `regime`, its data written: the regime's model, data and sizes
+    unless the flags gave them. A JPEG tree (--data-dir, or one of --train-samples train images
+    made here) is read whole by both arms."""
+    own = dict(model=regime.model, dataset=regime.dataset, batch_size=regime.batch_size,
+               train_samples=regime.train_samples, val_samples=regime.val_samples)
+    if len(regime.shape) == 3:
+        own["image_size"] = regime.shape[-1]
+    own.update({k: v for k, v in overrides.items() if v is not None})
+    given_dir = cfg.data_dir
+    cfg = dataclasses.replace(cfg, **own, data_workers=cfg.data_workers if regime.loader_workers else 0)
+    if cfg.dataset == "imagefolder":
+        # make_jpegs puts 1 image in 50 in val/
+        tree = given_dir or str(make_jpegs(workdir / f"{regime.name}-jpegs", cfg.train_samples * 50 // 49 + 1))
+        return dataclasses.replace(cfg, data_dir=tree, train_samples=0, val_samples=0)
+    shape = (regime.shape[0], cfg.image_size, cfg.image_size) if len(regime.shape) == 3 else regime.shape
+    folder = write_tensors(workdir / f"{regime.name}-tensors", shape, cfg.train_samples, cfg.val_samples or 64,
+                           cfg.num_classes, cfg.seed)
+    return dataclasses.replace(cfg, data_dir=str(folder))
+
+
+def same_env(cfg: TrainConfig) -> dict[str, str]:
+    """The hand loop's environment: threads as Ray gives its workers (OMP_NUM_THREADS = CPUs per
+    worker), and no Ray address."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["OMP_NUM_THREADS"] = str(cfg.cpus_per_worker)  # what raytrain gives its workers too
+    env["OMP_NUM_THREADS"] = str(cfg.cpus_per_worker)
     return env
 
 
-def run_torchrun(cfg: TrainConfig) -> dict[str, float]:
+def run_hand_loop(cfg: TrainConfig) -> dict[str, Any]:
     started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.workers}",
-         "-m", "raytrain_ddp.bench.torchrun_baseline", json.dumps(cfg.to_dict())],
-        env=plain_env(cfg), capture_output=True, text=True, timeout=1800,
-    )
+    with NiceWatch(cfg.workers) as nice:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.workers}",
+             "-m", "raytrain_ddp.bench.torchrun_baseline", json.dumps(cfg.to_dict())],
+            env=same_env(cfg), capture_output=True, text=True, timeout=1800,
+        )
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun baseline failed: {torchrun_failure(proc.stderr)}")
+        raise RuntimeError(f"the hand loop failed: {torchrun_failure(proc.stderr)}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "first_step_s": result["first_step_unix"] - started,
         "stages": stages(started, {**result["marks"], "first step": result["first_step_unix"]}, TORCHRUN_STAGES),
         "samples_per_s": steady(result["throughputs"]),
-        "rss_mib": result["rss_mib"],
-        "gpu_mib": result["gpu_mem_peak_mib"],
+        "nice": nice.seen,
+        "gpu_mib": result["gpu_mib"],
     }
 
 
@@ -78,14 +107,15 @@ def torchrun_failure(stderr: str) -> str:
     return "; ".join(said) or (lines[-1] if lines else "no output")
 
 
-def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) -> dict[str, float]:
+def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) -> dict[str, Any]:
     config = workdir / f"{name}.yaml"
     config.write_text(yaml.safe_dump({**cfg.to_dict(), "name": name, "storage_path": str(workdir)}))
     started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "raytrain_ddp", "run", "--config", str(config)],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )
+    with NiceWatch(cfg.workers) as nice:
+        proc = subprocess.run(
+            [sys.executable, "-m", "raytrain_ddp", "run", "--config", str(config)],
+            env=env, capture_output=True, text=True, timeout=1800,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"raytrain run failed: {proc.stderr.strip().splitlines()[-1:]}")
     summary = json.loads((workdir / name / "summary.json").read_text())
@@ -94,73 +124,131 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
         "first_step_s": summary["first_step_unix"] - started,
         "stages": summary["startup"]["stages"],
         "samples_per_s": steady([float(r["throughput"]) for r in rows]),
-        "rss_mib": max(float(r["cpu_rss_mib"]) for r in rows),
+        "nice": nice.seen,
         "gpu_mib": max(float(r["gpu_mem_peak_mib"]) for r in rows) if cfg.gpu else None,
     }
 
 
-def report(results: dict[str, list[dict[str, float]]]) -> str:
-    base = {key: statistics.median(r[key] for r in results["torchrun"]) for key in ("first_step_s", "samples_per_s")}
+class NiceWatch:
+    """The niceness of the `ranks` busiest processes under this one while the block runs, read from
+    /proc every second: the ranks (or their loader workers, which inherit it), whoever started them,
+    torchrun or Ray's raylet. Empty where /proc is missing."""
+
+    def __init__(self, ranks: int):
+        self.ranks, self.seen = ranks, []
+        self.cpu: dict[int, tuple[int, int]] = {}  # pid: (CPU ticks, nice)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+
+    def __enter__(self) -> NiceWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+        busiest = sorted(self.cpu.values(), reverse=True)[: self.ranks]
+        self.seen = sorted({nice for _, nice in busiest})
+
+    def watch(self) -> None:
+        while not self.done.wait(1.0):
+            for pid, (ticks, nice) in descendants(os.getpid()).items():
+                self.cpu[pid] = (ticks, nice)
+
+
+def descendants(root: int) -> dict[int, tuple[int, int]]:
+    """{pid: (user + system CPU ticks, nice)} of every process below `root`."""
+    parent, stat = {}, {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = entry.joinpath("stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # ended between the listing and the read
+        pid = int(entry.name)
+        # after the command's name: state, ppid, ..., utime (12), stime (13), ..., nice (17)
+        parent[pid], stat[pid] = int(fields[1]), (int(fields[11]) + int(fields[12]), int(fields[16]))
+    below, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in below}
+        below.update({pid: stat[pid] for pid in frontier})
+    return below
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> str:
+    """One regime's table: medians against the hand loop's, each arm's ranks' niceness, its peak GPU
+    memory (`-` on CPU) and each round's figures; then its start-up stages."""
+    base = {key: statistics.median(r[key] for r in results["hand loop"]) for key in ("first_step_s", "samples_per_s")}
     lines = [
-        f"{'variant':<22} {'first step s':>12} {'x torchrun':>10} {'samples/s':>10} {'x torchrun':>10} "
-        f"{'RSS MiB/worker':>14} {'GPU MiB':>8}  runs (first step s)",
+        f"{'arm':<10} {'first step s':>12} {'x hand loop':>11} {'samples/s':>10} {'x hand loop':>11} {'nice':>5} "
+        f"{'GPU MiB':>8}  rounds (first step s; samples/s)",
     ]
-    for variant, runs in results.items():
+    for arm, runs in results.items():
         first = statistics.median(r["first_step_s"] for r in runs)
         rate = statistics.median(r["samples_per_s"] for r in runs)
-        rss = statistics.median(r["rss_mib"] for r in runs)
+        nice = ",".join(str(n) for n in sorted({n for r in runs for n in r.get("nice", [])})) or "?"
         gpus = [r["gpu_mib"] for r in runs if r.get("gpu_mib") is not None]
         gpu = f"{statistics.median(gpus):.0f}" if gpus else "-"
-        each = " ".join(f"{r['first_step_s']:.1f}" for r in runs)
+        each = " ".join(f"{r['first_step_s']:.1f}" for r in runs) + "; " + " ".join(f"{r['samples_per_s']:.1f}" for r in runs)
         lines.append(
-            f"{variant:<22} {first:>12.1f} {first / base['first_step_s']:>10.2f} {rate:>10.1f} "
-            f"{rate / base['samples_per_s']:>10.3f} {rss:>14.0f} {gpu:>8}  {each}"
+            f"{arm:<10} {first:>12.1f} {first / base['first_step_s']:>11.2f} {rate:>10.1f} "
+            f"{rate / base['samples_per_s']:>11.3f} {nice:>5} {gpu:>8}  {each}"
         )
     return "\n".join(lines) + "\n\n" + stages_table(results)
 
 
 def stages_table(results: dict[str, list[dict[str, Any]]]) -> str:
-    """Median seconds per start-up stage and variant, so a slower start points at its stage; `-`
-    where a variant has no such stage."""
+    """Median seconds per start-up stage and arm, so a slower start points at its stage; `-` where
+    an arm has no such stage."""
     names = ("total", *RUN_STAGES)
     widths = [max(len(name) + 2, 8) for name in names]
     lines = [f"{'start-up stages, median s':<26}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths))]
-    for variant, runs in results.items():
+    for arm, runs in results.items():
         timed = [r["stages"] for r in runs if r.get("stages")]
         cells = [statistics.median(sum(s.values()) for s in timed) if timed else None]
         for name in RUN_STAGES:
             found = [s[name] for s in timed if name in s]
             cells.append(statistics.median(found) if found else None)
-        lines.append(f"{variant:<26}" + "".join("-".rjust(w) if c is None else f"{c:>{w}.1f}" for c, w in zip(cells, widths)))
+        lines.append(f"{arm:<26}" + "".join("-".rjust(w) if c is None else f"{c:>{w}.1f}" for c, w in zip(cells, widths)))
     return "\n".join(lines)
 
 
-def bench_overhead(cfg: TrainConfig, rounds: int) -> dict[str, list[dict[str, float]]]:
-    # Medians over alternating rounds; the table reports them with every run's figure.
-    # Fixed threads per worker, so raytrain's workers and torchrun's run alike (no CPU share).
+def load_line(when: str) -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {when}: {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} CPUs)"
+
+
+def bench_overhead(
+    cfg: TrainConfig, regimes: list[str], rounds: int, overrides: dict[str, Any]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every regime's arms alternated for `rounds` rounds; prints each regime's table as it ends."""
+    # Fixed threads per worker, so raytrain's workers and the hand loop's run alike (no CPU share).
     cfg = dataclasses.replace(
         cfg, progress="none", address=None, cpus_per_worker=cfg.cpus_per_worker or 1, placement=cfg.placement or "pack"
     )
-    results: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    tables = {}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
         num_cpus=cfg.workers * cfg.cpus_per_worker, num_gpus=cfg.workers if cfg.gpu else 0
     ) as head:
         workdir = Path(tmp)
-        for round_ in range(1, rounds + 1):
-            for variant in VARIANTS:
-                if variant == "torchrun":
-                    result = run_torchrun(cfg)
-                elif variant == "raytrain fresh Ray":
-                    result = run_raytrain(cfg, plain_env(cfg), workdir, f"fresh-{round_}")
-                else:
-                    result = run_raytrain(cfg, head.env, workdir, f"running-{round_}")
-                results[variant].append(result)
-                print(
-                    f"round {round_}/{rounds} {variant:<22} first step {result['first_step_s']:.1f} s, "
-                    f"{result['samples_per_s']:.1f} samples/s, {result['rss_mib']:.0f} MiB"
-                    + (f", GPU {result['gpu_mib']:.0f} MiB" if result.get("gpu_mib") is not None else "")
-                    + f"\n  {stages_line(result['stages'])}",
-                    flush=True,
-                )
-    print(report(results))
-    return results
+        for name in regimes:
+            # Only the compute regime has a GPU form; the others measure the loader and the per-step
+            # bookkeeping, which live on the CPU.
+            regime = GPU_COMPUTE if cfg.gpu and name == "compute" else REGIMES[name]
+            run_cfg = regime_config(cfg if regime is GPU_COMPUTE else dataclasses.replace(cfg, gpu=False), regime,
+                                    overrides, workdir)
+            print(f"\n== {name}: {regime.what}; {run_cfg.workers} ranks, batch {run_cfg.batch_size} per rank, "
+                  f"{run_cfg.epochs} epochs, {run_cfg.data_workers} loader workers\n{load_line('at the start')}", flush=True)
+            results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+            for round_ in range(1, rounds + 1):
+                for arm in ARMS:
+                    if arm == "hand loop":
+                        result = run_hand_loop(run_cfg)
+                    else:
+                        result = run_raytrain(run_cfg, head.env, workdir, f"{name}-{round_}")
+                    results[arm].append(result)
+                    print(f"round {round_}/{rounds} {arm:<10} first step {result['first_step_s']:.1f} s, "
+                          f"{result['samples_per_s']:.1f} samples/s, nice {result['nice']}\n  {stages_line(result['stages'])}",
+                          flush=True)
+            print(f"{load_line('at the end')}\n\n{report(results)}", flush=True)
+            tables[name] = results
+    return tables

@@ -1,21 +1,23 @@
-"""The baseline of `raytrain bench overhead`: the same training, launched by plain torchrun.
+"""The hand-written arm of `raytrain bench overhead`: the textbook torchrun DDP loop a user writes.
 
-Same model, data, sampler, per-worker batch, optimizer and, on GPU, the same speed habits (AMP,
-channels_last, cudnn.benchmark) as raytrain's worker loop, in the textbook DDP loop users write by
-hand. With one process there is no DDP wrapper (as Ray Train's prepare_model): a plain loop.
+init_process_group, a DistributedSampler (set_epoch each epoch) under a plain DataLoader, DDP,
+then zero_grad / forward / backward / step. No raytrain data path: the data is torchvision's
+ImageFolder, or the user's own dataset function (bench/regimes.py), read whole. The same model,
+per-rank batch, threads, loader settings and SGD as raytrain's run of the regime; on GPU bf16
+autocast and channels_last as raytrain's loop uses. With one process, no DDP wrapper (as Ray
+Train's prepare_model).
 
     torchrun --standalone --nproc_per_node=2 -m raytrain_ddp.bench.torchrun_baseline '<TrainConfig JSON>'
 
-Rank 0 prints one JSON line: when the first optimizer step finished, its start-up marks (the same
-stages as raytrain's, where they exist: startup.py), samples/s per epoch, peak RSS and peak GPU
-memory (max over ranks).
+Rank 0 prints one JSON line: when the first optimizer step had completed, its start-up marks (named
+as raytrain's stages, startup.py), samples/s per epoch and, on a GPU, its peak GPU memory.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import resource
 import sys
 import time
 
@@ -23,20 +25,37 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.data.loaders import make_loaders
-from raytrain_ddp.worker.step import make_optimizer
-from raytrain_ddp.worker.models import MODELS
+from raytrain_ddp.worker.models import model_builder
+
+
+def train_set(cfg: TrainConfig) -> Dataset:
+    if cfg.dataset == "imagefolder":  # the torchvision recipe, with raytrain's augmentation for ImageFolder
+        from torchvision.datasets import ImageFolder
+        from torchvision.transforms import v2
+
+        transform = v2.Compose([
+            v2.ToImage(),
+            v2.RandomResizedCrop(cfg.image_size, scale=(0.25, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ])
+        return ImageFolder(os.path.join(cfg.data_dir, "train"), transform=transform)
+    module, _, name = cfg.dataset.partition(":")  # the user's own, e.g. raytrain_ddp.bench.regimes:tensors
+    return getattr(importlib.import_module(module), name)(split="train", data_dir=cfg.data_dir, image_size=cfg.image_size)
 
 
 def main() -> None:
     marks = {"python": time.time()}  # torchrun, the interpreters and their imports end here
     cfg = TrainConfig.from_dict(json.loads(sys.argv[1]))
+    torch.set_num_threads(cfg.cpus_per_worker)
     cuda = cfg.gpu
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     else:
@@ -45,51 +64,49 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dist.barrier()  # every rank has arrived, as raytrain's first collective marks it
     marks["process group"] = time.time()
-    torch.set_num_threads(cfg.cpus_per_worker)
     torch.manual_seed(cfg.seed)
-    loaders = make_loaders(cfg, rank, world_size, cuda=cuda)
+
+    dataset = train_set(cfg)
+    sampler = DistributedSampler(dataset, seed=cfg.seed)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.data_workers,
+                        pin_memory=cuda, persistent_workers=cfg.data_workers > 0)
     marks["data"] = time.time()
-    model = MODELS[cfg.model](cfg.num_classes, loaders.in_channels).to(device)
+
+    model = model_builder(cfg.model)(num_classes=cfg.num_classes, in_channels=dataset[0][0].shape[0]).to(device)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
     if world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=True)
-    optimizer = make_optimizer(cfg, model)
-    amp_dtype = None
-    if cuda and cfg.amp:
-        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+        model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    amp = cuda and cfg.amp
     marks["model"] = time.time()
 
     first_step_unix, throughputs = None, []
-    for epoch in range(1, cfg.epochs + 1):
-        loaders.set_epoch(epoch)
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
         model.train()
         start, samples = time.perf_counter(), 0
-        for images, labels in loaders.train:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            if cuda:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(images), labels)
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            if cuda and inputs.dim() == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
             optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                loss = F.cross_entropy(model(inputs), labels)
+            loss.backward()
+            optimizer.step()
             if first_step_unix is None:
                 if cuda:
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize()  # the step has run, not just been queued
                 first_step_unix = time.time()
             samples += len(labels)
         if cuda:
             torch.cuda.synchronize()
         throughputs.append(samples * world_size / (time.perf_counter() - start))
-    gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0
-    peaks = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, gpu_mib], dtype=torch.float64, device=device)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    if rank == 0:
+    if rank == 0:  # rank 0's GPU stands for the others': the same model and batch
+        gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
         print(json.dumps({"first_step_unix": first_step_unix, "marks": marks, "throughputs": throughputs,
-                          "rss_mib": peaks[0].item(), "gpu_mem_peak_mib": peaks[1].item() if cuda else None}))
+                          "gpu_mib": gpu_mib}))
     leave_group()
 
 

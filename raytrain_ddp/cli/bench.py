@@ -14,16 +14,33 @@ from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.config import ConfigError, TrainConfig
 
 
-@train_options
+@train_options(own_flags=("model", "dataset", "image_size", "batch_size", "train_samples", "val_samples"))
 def overhead_command(
     cfg: TrainConfig,
-    rounds: int = typer.Option(3, "--rounds", help="A/B rounds; each runs all three variants."),
+    regime: str = typer.Option("compute,input,overhead", "--regime", help="Regimes to run, comma-separated: "
+                               "compute (a step of 200 ms or more), input (JPEG decoding), overhead (a step of a few ms)."),
+    rounds: int = typer.Option(3, "--rounds", help="A/B rounds per regime; each runs both arms."),
+    model: Optional[str] = typer.Option(None, "--model", help="Every regime's model, instead of its own."),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="Every regime's data instead of its own: imagefolder "
+                                          "(--data-dir, or JPEGs made here) or PKG.MODULE:CALLABLE."),
+    image_size: Optional[int] = typer.Option(None, "--image-size", help="Image side, instead of each regime's own."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Per-rank batch, instead of each regime's own."),
+    train_samples: Optional[int] = typer.Option(None, "--train-samples", help="Training samples (or JPEGs made) per "
+                                                "epoch, instead of each regime's own (sized for ~10 s epochs on 2 CPUs)."),
+    val_samples: Optional[int] = typer.Option(None, "--val-samples", help="Validation samples of the in-memory regimes."),
 ) -> None:
-    """Ray Train vs plain torchrun on the same job: time to first step, samples/s, RSS, GPU memory."""
+    """`raytrain run` on a running Ray against the DDP loop a user writes by hand under torchrun, in
+    three regimes: first step, steady samples/s, niceness, machine load."""
     from raytrain_ddp.bench.overhead import bench_overhead
+    from raytrain_ddp.bench.regimes import REGIMES
 
+    chosen = [r.strip() for r in regime.split(",") if r.strip()]
+    if not chosen or any(r not in REGIMES for r in chosen):
+        raise ConfigError(f"--regime {regime!r}: choose from {', '.join(REGIMES)}, comma-separated")
     if rounds < 1:
         raise ConfigError(f"--rounds must be at least 1 (got {rounds})")
+    if dataset is not None and dataset != "imagefolder" and ":" not in dataset:
+        raise ConfigError(f"--dataset {dataset}: the hand loop reads imagefolder or your own PKG.MODULE:CALLABLE")
     if cfg.gpu:
         import torch
 
@@ -32,20 +49,23 @@ def overhead_command(
                 f"bench overhead --gpu runs on this machine, which has {torch.cuda.device_count()} GPUs "
                 f"for --workers {cfg.workers}; lower --workers or drop --gpu"
             )
-    bench_overhead(cfg, rounds)
+    overrides = dict(model=model, dataset=dataset, image_size=image_size, batch_size=batch_size,
+                     train_samples=train_samples, val_samples=val_samples)
+    bench_overhead(cfg, chosen, rounds, overrides)
 
 
 def data_command(
-    images: int = typer.Option(10_000, help="How many 64x64 JPEGs to generate."),
+    images: int = typer.Option(10_000, help="How many 64x64 JPEGs to generate (1 in 50 held out for val)."),
     tiny: bool = typer.Option(False, "--tiny", help=f"{TINY_IMAGES} images, batch 32: a smoke test for CI."),
     cpus: int = typer.Option(0, help="Loader CPUs: DataLoader workers, and the private Ray's CPUs (0 = all)."),
     batch_size: int = typer.Option(256, help="Images per batch."),
-    passes: int = typer.Option(2, help="Passes per path; the last (warm) one is timed."),
+    passes: int = typer.Option(4, help="Passes per path; the cheapest after the first (warm-up) is reported."),
     address: Optional[str] = typer.Option(None, help="Use this Ray cluster for the ray path (default: a private one)."),
     workdir: Optional[Path] = typer.Option(None, help="Keep the generated images here (and reuse them next time)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
 ) -> None:
-    """Images/s per CPU core of each ingest path against torchvision ImageFolder + DataLoader."""
+    """CPU microseconds per training image of each ingest path, against a plain torchvision Dataset +
+    DataLoader over the same data: synthetic images, an image folder of JPEGs, and Parquet shards."""
 
     if tiny:
         images, batch_size = TINY_IMAGES, 32

@@ -8,27 +8,39 @@ import sys
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.bench.overhead import VARIANTS, report, stages_table, torchrun_failure
+from raytrain_ddp.bench.overhead import ARMS, NiceWatch, report, stages_table, torchrun_failure
 
 
-def test_report_ratios_against_torchrun():
-    run = lambda first, rate, gpu=None: {"first_step_s": first, "samples_per_s": rate, "rss_mib": 500.0, "gpu_mib": gpu}
-    table = report({"torchrun": [run(5, 100), run(7, 100)], "raytrain fresh Ray": [run(12, 98), run(14, 99)]})
-    fresh = table.splitlines()[2].split()
-    assert fresh[3:9] == ["13.0", "2.17", "98.5", "0.985", "500", "-"]  # no GPU memory on CPU
-    table = report({"torchrun": [run(5, 100, 1000.0)], "raytrain fresh Ray": [run(12, 98, 1100.0)]})
-    assert table.splitlines()[2].split()[8] == "1100"
+def test_report_ratios_against_the_hand_loop_with_every_round_and_niceness():
+    run = lambda first, rate, nice=(0,): {"first_step_s": first, "samples_per_s": rate, "nice": list(nice)}
+    table = report({"hand loop": [run(5, 100), run(7, 100)], "raytrain": [run(12, 98), run(14, 99, (0, 15))]})
+    header, base, ray = table.splitlines()[:3]
+    assert "x hand loop" in header and base.split()[2:7] == ["6.0", "1.00", "100.0", "1.000", "0"]
+    assert ray.split()[1:6] == ["13.0", "2.17", "98.5", "0.985", "0,15"]  # a rank at nice 15 shows
+    assert ray.endswith("-  12.0 14.0; 98.0 99.0")  # no GPU memory on CPU; every round's first step and samples/s
+    gpu = lambda mib: {**run(5, 100), "gpu_mib": mib}
+    assert report({"hand loop": [gpu(320.0)], "raytrain": [gpu(300.0), gpu(310.0)]}).splitlines()[2].split()[6] == "305"
 
 
 def test_stages_table_medians_each_stage_and_marks_the_missing():
-    torchrun = {"python": 2.0, "process group": 1.0, "first step": 0.5}
+    hand = {"python": 2.0, "process group": 1.0, "first step": 0.5}
     ray = lambda workers: {"python": 2.0, "connect": 1.0, "workers": workers, "first step": 0.5}
-    table = stages_table({"torchrun": [{"stages": torchrun}], "raytrain running Ray": [{"stages": ray(w)} for w in (4, 9, 5)]})
+    table = stages_table({"hand loop": [{"stages": hand}], "raytrain": [{"stages": ray(w)} for w in (4, 9, 5)]})
     header, base, running = table.splitlines()
     assert header.split()[4:8] == ["total", "python", "checks", "connect"]
-    assert base.split()[1:5] == ["3.5", "2.0", "-", "-"]  # torchrun has no connect stage
-    cells = running.split()[3:]
+    assert base.split()[2:6] == ["3.5", "2.0", "-", "-"]  # the hand loop has no connect stage
+    cells = running.split()[1:]
     assert cells[0] == "8.5" and cells[5] == "5.0"  # total and workers: medians of the 3 runs
+
+
+def test_nice_watch_reads_the_busiest_children_niceness():
+    busy = "import os, time\nos.nice({})\nend = time.time() + 2.5\nwhile time.time() < end: pass\n"
+    with NiceWatch(ranks=2) as watch:
+        procs = [subprocess.Popen([sys.executable, "-c", busy.format(n)]) for n in (3, 5)]
+        idle = subprocess.Popen([sys.executable, "-c", "import os, time; os.nice(9); time.sleep(2.5)"])
+        for p in [*procs, idle]:
+            p.wait()
+    assert watch.seen == [3, 5], watch.seen  # the sleeper is not a rank
 
 
 def test_a_failed_torchrun_is_told_by_its_root_cause(tmp_path):
@@ -50,14 +62,15 @@ def test_a_failed_torchrun_is_told_by_its_root_cause(tmp_path):
 
 
 @pytest.mark.e2e
-def test_tiny_benchmark_prints_every_variant():
-    proc = raytrain("bench", "overhead", "--rounds", "1", "--epochs", "1", "--train-samples", "256",
-                    "--val-samples", "64", "--batch-size", "32", "--data-workers", "0", timeout=600)
+def test_tiny_benchmark_prints_both_arms():
+    proc = raytrain("bench", "overhead", "--regime", "overhead", "--rounds", "1", "--epochs", "1",
+                    "--train-samples", "512", "--val-samples", "64", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)  # the figures, for the CI log
-    table = proc.stdout.split("runs (first step s)")[1]
-    for variant in VARIANTS:
-        assert variant in table
+    assert proc.stdout.count("load average at the") == 2
+    table = proc.stdout.split("rounds (first step s; samples/s)")[1]
+    for arm in ARMS:
+        assert arm in table
     stages = proc.stdout.split("start-up stages, median s")[1].splitlines()[1:]
-    assert [line[:26].strip() for line in stages] == list(VARIANTS)
+    assert [line[:26].strip() for line in stages] == list(ARMS)
     assert all("-" not in line.split()[-1] for line in stages)  # every arm timed its first step
