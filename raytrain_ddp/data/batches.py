@@ -40,10 +40,13 @@ class Batches:
     whole: DDP needs the same number of steps on every rank, or its all-reduce waits forever.
     """
 
-    def __init__(self, source: Iterable, skips: SkipCount, train: bool):
-        self.source, self.skips, self.train = source, skips, train
+    def __init__(self, source: Iterable, skips: SkipCount, train: bool, skip_bad: bool):
+        self.source, self.skips, self.train, self.skip_bad = source, skips, train, skip_bad
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.skip_bad:  # an unreadable sample raised where it was read: no batch holds one
+            yield from self.source
+            return
         for images, labels in self.source:
             bad = labels == UNREADABLE
             n_bad = int(bad.sum())

@@ -85,7 +85,8 @@ def ray_loaders(cfg: TrainConfig, world_size: int) -> Loaders:
         return left
 
     return Loaders(
-        Batches(train, skips, train=True), Batches(val, skips, train=False), set_epoch, steps, rows,
+        Batches(train, skips, train=True, skip_bad=cfg.skip_bad), Batches(val, skips, train=False, skip_bad=cfg.skip_bad),
+        set_epoch, steps, rows,
         int(manifest["channels"]), lambda: skips.count,
     )
 

@@ -156,8 +156,8 @@ def torch_loaders(
         return math.ceil(len(sampler) / cfg.batch_size)
 
     return Loaders(
-        Batches(train, skips, train=True),
-        Batches(val, skips, train=False),
+        Batches(train, skips, train=True, skip_bad=cfg.skip_bad),
+        Batches(val, skips, train=False, skip_bad=cfg.skip_bad),
         set_epoch,
         math.ceil(math.ceil(len(data.train) / world_size) / cfg.batch_size),
         len(data.train),

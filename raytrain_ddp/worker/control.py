@@ -20,11 +20,14 @@ from raytrain_ddp import ray_compat
 from raytrain_ddp.worker import host_sync
 
 CONTROL_EVERY = 20
-"""At most this many micro-batches between the ranks' agreements on whether to stop (a signal, a
-node drain, a non-finite loss)."""
+"""Micro-batches between the ranks' agreements on whether to stop (a signal, a node drain, a
+non-finite loss), within the two bounds in seconds below."""
 CONTROL_EVERY_S = 5.0
 """... and at most about this many seconds: slow steps (a big model on CPU, --grad-accum 8) agree
 more often, so a stop lands well inside Slurm's USR1@120 grace."""
+CONTROL_GAP_S = 0.25
+"""... but at least about this many seconds apart: an agreement costs a round trip to the driver's
+sink and an all-reduce, a millisecond or two, which 20 micro-batches of a few ms each would feel."""
 FP16_BAD_LOSS_PATIENCE = 20
 """Under fp16 a non-finite loss on a few micro-batches in a row can pass (the GradScaler skips those
 steps and backs off); this many in a row is a diverged run. fp32 and bf16 stop on the first."""
@@ -100,7 +103,8 @@ class Control:
         self.drain_news = self.drain_news or (draining and not self.drain_saved)
         self.drain_saved = self.drain_saved or draining
         pace = elapsed / step  # the slowest rank's seconds per micro-batch, the same number on every rank
-        self.next_at = step + max(1, min(CONTROL_EVERY, int(CONTROL_EVERY_S / max(pace, 1e-9))))
+        pace = max(pace, 1e-9)
+        self.next_at = step + max(1, min(max(CONTROL_EVERY, int(CONTROL_GAP_S / pace)), int(CONTROL_EVERY_S / pace)))
 
     def at_epoch_end(self, epoch: int, pass_start: float) -> bool:
         """The pass's last agreement: whether to stop after the epoch's checkpoint."""

@@ -196,8 +196,8 @@ def test_a_training_batch_of_only_bad_samples_fails_rather_than_desync_ranks():
     skips = SkipCount()
     bad = [(torch.zeros(2, 3, 4, 4), torch.tensor([UNREADABLE] * 2))]
     with pytest.raises(RuntimeError, match="all 2 samples of a training batch were unreadable"):
-        list(Batches(bad, skips, train=True))
-    assert list(Batches(bad, skips, train=False)) == []  # val: no collective per batch, just skip
+        list(Batches(bad, skips, train=True, skip_bad=True))
+    assert list(Batches(bad, skips, train=False, skip_bad=True)) == []  # val: no collective per batch, just skip
 
 
 def test_parquet_via_the_torch_path(tmp_path):
