@@ -199,13 +199,13 @@ def describe_resize(event: dict[str, Any]) -> str:
 def niced(ranks: list[dict[str, Any]]) -> str | None:
     """The start's one line when ranks run niced, which a cluster we joined may do (Ray's workers
     default to nice 15); None when every rank runs at nice 0 or below."""
-    slow = [(rank, where) for rank, where in enumerate(ranks) if where.get("nice", 0) > 0]
-    if not slow:
+    low = [where for where in ranks if where.get("nice", 0) > 0]
+    if not low:
         return None
-    hosts = sorted({where["hostname"] for _, where in slow})
-    nice = max(where["nice"] for _, where in slow)
+    hosts = sorted({where["hostname"] for where in low})
+    nice = max(where["nice"] for where in low)
     return (
-        f"{len(slow)} of {len(ranks)} ranks (on {', '.join(hosts)}) run at nice {nice}, so any process at nice 0 "
+        f"{len(low)} of {len(ranks)} ranks (on {', '.join(hosts)}) run at nice {nice}, so any process at nice 0 "
         "on their nodes takes the CPU first: start that cluster's Ray nodes with RAY_worker_niceness=0 in "
         "their environment (cluster/ray_node.sh and the sbatch do)"
     )

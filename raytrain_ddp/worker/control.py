@@ -102,8 +102,7 @@ class Control:
         self.stopping = self.stopping or stop
         self.drain_news = self.drain_news or (draining and not self.drain_saved)
         self.drain_saved = self.drain_saved or draining
-        pace = elapsed / step  # the slowest rank's seconds per micro-batch, the same number on every rank
-        pace = max(pace, 1e-9)
+        pace = max(elapsed / step, 1e-9)  # the slowest rank's seconds per micro-batch, the same number on every rank
         self.next_at = step + max(1, min(max(CONTROL_EVERY, int(CONTROL_GAP_S / pace)), int(CONTROL_EVERY_S / pace)))
 
     def at_epoch_end(self, epoch: int, pass_start: float) -> bool:

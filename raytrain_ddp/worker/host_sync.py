@@ -4,8 +4,8 @@ the loop a user writes by hand.
 
 The pass's syncs are at the points the loop names with `allowed()`: the ranks' agreement
 (control.py), rank 0's progress update, a checkpoint, and the epoch's end; under fp16, also the loss
-scaler's overflow check in each optimizer step (torch's GradScaler reads it back; bf16 needs none). Anywhere else, with
-RAYTRAIN_CHECK_HOST_SYNC=1 in the ranks' environment, a sync raises:
+scaler's overflow check in each optimizer step (torch's GradScaler reads it back; bf16 needs none).
+Anywhere else, with RAYTRAIN_CHECK_HOST_SYNC=1 in the ranks' environment, a sync raises:
 - on a GPU, through torch.cuda.set_sync_debug_mode("error"): every sync torch makes (`.item()`, a
   blocking copy, a synchronize);
 - on a CPU, which has no syncs to catch, the calls that would be one on a GPU: a tensor read back to
@@ -76,9 +76,8 @@ def allowed(when: bool = True) -> Iterator[None]:
 
 
 def _refuse(what: str, frame: traceback.FrameSummary) -> None:
-    if _wall["lifted"] == 0:
-        raise HostSyncError(f"a host sync inside a training step at {frame.filename}:{frame.lineno} ({frame.line}): "
-                            f"{what}; move it to a named sync point (worker/host_sync.py)")
+    raise HostSyncError(f"a host sync inside a training step at {frame.filename}:{frame.lineno} ({frame.line}): "
+                        f"{what}; move it to a named sync point (worker/host_sync.py)")
 
 
 TORCH_DIR = os.path.dirname(torch.__file__)

@@ -54,7 +54,8 @@ class TrainState:
         """Add one micro-batch to the running sums, on the device. The count stays a Python number:
         a scalar tensor made for the device is a blocking copy, which would wait for the queued step."""
         n = len(labels)
-        self.sums += torch.stack([(loss * n).double(), (logits.argmax(1) == labels).sum().double(), loss.new_full((), n, dtype=torch.float64)])
+        correct = (logits.argmax(1) == labels).sum()
+        self.sums += torch.stack([(loss * n).double(), correct.double(), loss.new_full((), n, dtype=torch.float64)])
 
     def next_epoch(self) -> None:
         """The epoch ended: the next starts at its first sample, with nothing counted."""
