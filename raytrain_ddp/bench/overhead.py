@@ -130,17 +130,22 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
 
 
 class NiceWatch:
-    """The niceness of the `ranks` busiest processes under this one while the block runs, read from
-    /proc every second: the ranks (or their loader workers, which inherit it), whoever started them,
-    torchrun or Ray's raylet. Empty where /proc is missing."""
+    """The niceness of the `ranks` processes under this one that used the most CPU while the block
+    ran, read from /proc every second: the ranks (or their loader workers, which inherit it), whoever
+    started them, torchrun or Ray's raylet. CPU counts from the block's start, so processes that were
+    busy before it (a Ray head's) do not pass for ranks. Empty where /proc is missing."""
 
     def __init__(self, ranks: int):
         self.ranks, self.seen = ranks, []
-        self.cpu: dict[int, tuple[int, int]] = {}  # pid: (CPU ticks, nice)
+        self.before: dict[int, int] = {}
+        """pid: CPU ticks when the block began."""
+        self.cpu: dict[int, tuple[int, int]] = {}
+        """pid: (CPU ticks since the block began, nice)."""
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.watch, daemon=True)
 
     def __enter__(self) -> NiceWatch:
+        self.before = {pid: ticks for pid, (ticks, _) in descendants(os.getpid()).items()}
         self.thread.start()
         return self
 
@@ -153,7 +158,7 @@ class NiceWatch:
     def watch(self) -> None:
         while not self.done.wait(1.0):
             for pid, (ticks, nice) in descendants(os.getpid()).items():
-                self.cpu[pid] = (ticks, nice)
+                self.cpu[pid] = (ticks - self.before.get(pid, 0), nice)
 
 
 def descendants(root: int) -> dict[int, tuple[int, int]]:

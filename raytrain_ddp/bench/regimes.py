@@ -8,7 +8,7 @@ overhead  a step of a few milliseconds: a small MLP on 64-feature vectors, so wh
 
 The datasets and models here are plugins (`--dataset raytrain_ddp.bench.regimes:tensors`), as a
 user's would be: raytrain's workers import them, and the hand-written loop imports the same ones.
-Sizes were picked on the 2-core CI machine (2 ranks of 1 CPU) for epochs of about 10 s.
+Sizes were picked on the 2-core CI machine (2 ranks of 1 CPU) for epochs of 10 s or more.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ REGIMES = {
     "compute": Regime("compute", "resnet18, 64 px images in memory", "resnet18", TENSORS, (3, 64, 64),
                       batch_size=32, train_samples=2048, val_samples=64, loader_workers=False),
     "input": Regime("input", "JPEG decode through ImageFolder, convnet at 32 px", "convnet", "imagefolder", (3, 32, 32),
-                    batch_size=64, train_samples=10_240, val_samples=0, loader_workers=True),
+                    batch_size=64, train_samples=14_336, val_samples=0, loader_workers=True),
     "overhead": Regime("overhead", f"an MLP on {FEATURES}-feature vectors", f"{HERE}:mlp", TENSORS, (FEATURES,),
-                       batch_size=64, train_samples=327_680, val_samples=256, loader_workers=False),
+                       batch_size=64, train_samples=491_520, val_samples=256, loader_workers=False),
 }
 GPU_COMPUTE = Regime("compute", f"resnet50, {GPU_SIDE} px, bf16, inputs made on the GPU", f"{HERE}:upsampled_resnet50",
                      TENSORS, (3, 8, 8), batch_size=128, train_samples=32_768, val_samples=256, loader_workers=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import raytrain
@@ -34,13 +35,17 @@ def test_stages_table_medians_each_stage_and_marks_the_missing():
 
 
 def test_nice_watch_reads_the_busiest_children_niceness():
-    busy = "import os, time\nos.nice({})\nend = time.time() + 2.5\nwhile time.time() < end: pass\n"
+    busy = "import os, time\nos.nice({})\nend = time.time() + {}\nwhile time.time() < end: pass\n"
+    # a child busy before the block and idle in it, as a Ray head started by this process: not a rank
+    earlier = subprocess.Popen([sys.executable, "-c", busy.format(0, 4) + "time.sleep(4)\n"])
+    time.sleep(4.5)
     with NiceWatch(ranks=2) as watch:
-        procs = [subprocess.Popen([sys.executable, "-c", busy.format(n)]) for n in (3, 5)]
+        procs = [subprocess.Popen([sys.executable, "-c", busy.format(n, 2.5)]) for n in (3, 5)]
         idle = subprocess.Popen([sys.executable, "-c", "import os, time; os.nice(9); time.sleep(2.5)"])
         for p in [*procs, idle]:
             p.wait()
-    assert watch.seen == [3, 5], watch.seen  # the sleeper is not a rank
+    earlier.wait()
+    assert watch.seen == [3, 5], watch.seen  # the sleeper is not a rank, nor the one busy before
 
 
 def test_a_failed_torchrun_is_told_by_its_root_cause(tmp_path):
