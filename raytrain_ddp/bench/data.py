@@ -79,8 +79,14 @@ def timed_passes(batches: Iterable, passes: int, on_pass=None) -> tuple[int, flo
 
 def tree_cpu_seconds(root: int | None = None) -> dict[int, float]:
     """User + system CPU seconds of `root` (this process) and its descendants, by pid (Linux)."""
+    return {pid: cpu for pid, (cpu, _) in process_tree(root).items()}
+
+
+def process_tree(root: int | None = None) -> dict[int, tuple[float, int]]:
+    """(user + system CPU seconds, niceness) of `root` (this process) and its descendants, by pid,
+    from /proc; empty where it is missing."""
     root = root or os.getpid()
-    parent, cpu = {}, {}
+    parent, stat = {}, {}
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
@@ -89,17 +95,18 @@ def tree_cpu_seconds(root: int | None = None) -> dict[int, float]:
     for entry in entries:
         try:
             with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+                line = f.read()
         except OSError:  # gone since the listing
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces; fields 3.. follow it
-        parent[int(entry)], cpu[int(entry)] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+        # after the name, which may hold spaces: state, ppid, ..., utime (12), stime (13), ..., nice (17)
+        fields = line[line.rindex(")") + 2:].split()
+        parent[int(entry)], stat[int(entry)] = int(fields[1]), ((int(fields[11]) + int(fields[12])) / tick, int(fields[16]))
     tree, grew = {root}, True
     while grew:
         new = {pid for pid, ppid in parent.items() if ppid in tree} - tree
         tree |= new
         grew = bool(new)
-    return {pid: cpu[pid] for pid in tree if pid in cpu}
+    return {pid: stat[pid] for pid in tree if pid in stat}
 
 
 def plain(source: str, root: Path, images: int, cpus: int, batch_size: int, passes: int) -> tuple[int, float, float | None]:

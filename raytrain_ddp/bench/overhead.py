@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_ddp.bench.data import make_jpegs
+from raytrain_ddp.bench.data import make_jpegs, process_tree
 from raytrain_ddp.bench.local_ray import local_head
 from raytrain_ddp.bench.regimes import GPU_COMPUTE, REGIMES, Regime, write_tensors
 from raytrain_ddp.config import TrainConfig
@@ -137,15 +137,15 @@ class NiceWatch:
 
     def __init__(self, ranks: int):
         self.ranks, self.seen = ranks, []
-        self.before: dict[int, int] = {}
-        """pid: CPU ticks when the block began."""
-        self.cpu: dict[int, tuple[int, int]] = {}
-        """pid: (CPU ticks since the block began, nice)."""
+        self.before: dict[int, float] = {}
+        """pid: CPU seconds when the block began."""
+        self.cpu: dict[int, tuple[float, int]] = {}
+        """pid: (CPU seconds since the block began, nice)."""
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.watch, daemon=True)
 
     def __enter__(self) -> NiceWatch:
-        self.before = {pid: ticks for pid, (ticks, _) in descendants(os.getpid()).items()}
+        self.before = {pid: cpu for pid, (cpu, _) in process_tree().items()}
         self.thread.start()
         return self
 
@@ -157,26 +157,9 @@ class NiceWatch:
 
     def watch(self) -> None:
         while not self.done.wait(1.0):
-            for pid, (ticks, nice) in descendants(os.getpid()).items():
-                self.cpu[pid] = (ticks - self.before.get(pid, 0), nice)
-
-
-def descendants(root: int) -> dict[int, tuple[int, int]]:
-    """{pid: (user + system CPU ticks, nice)} of every process below `root`."""
-    parent, stat = {}, {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = entry.joinpath("stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue  # ended between the listing and the read
-        pid = int(entry.name)
-        # after the command's name: state, ppid, ..., utime (12), stime (13), ..., nice (17)
-        parent[pid], stat[pid] = int(fields[1]), (int(fields[11]) + int(fields[12]), int(fields[16]))
-    below, frontier = {}, {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in below}
-        below.update({pid: stat[pid] for pid in frontier})
-    return below
+            for pid, (cpu, nice) in process_tree().items():
+                if pid != os.getpid():  # the benchmark itself is no rank
+                    self.cpu[pid] = (cpu - self.before.get(pid, 0.0), nice)
 
 
 def report(results: dict[str, list[dict[str, Any]]]) -> str:

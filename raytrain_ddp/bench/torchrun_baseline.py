@@ -15,7 +15,6 @@ as raytrain's stages, startup.py), samples/s per epoch and, on a GPU, its peak G
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from raytrain_ddp import plugins
 from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.worker.models import model_builder
@@ -45,8 +45,8 @@ def train_set(cfg: TrainConfig) -> Dataset:
             v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
         ])
         return ImageFolder(os.path.join(cfg.data_dir, "train"), transform=transform)
-    module, _, name = cfg.dataset.partition(":")  # the user's own, e.g. raytrain_ddp.bench.regimes:tensors
-    return getattr(importlib.import_module(module), name)(split="train", data_dir=cfg.data_dir, image_size=cfg.image_size)
+    build = plugins.load(cfg.dataset, "--dataset")  # the user's own, e.g. raytrain_ddp.bench.regimes:tensors
+    return build(split="train", data_dir=cfg.data_dir, image_size=cfg.image_size)
 
 
 def main() -> None:
