@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY, raytrain
 from test_cli import assert_refused
 
 from raytrain_ddp.checkpoint import compat as resume
-from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, latest_checkpoint
+from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE, latest_checkpoint, rank_file
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.preflight import check_parts
@@ -32,15 +34,27 @@ def saved(cfg: TrainConfig = CFG, epoch: int = 2, position: int = 128, in_channe
     }
 
 
-def write_run(run_dir: Path, registered: str | None, info: dict | None, unregistered: str | None = None) -> None:
+def write_checkpoint(checkpoint_dir: Path, info: dict | None, world_size: int = 2) -> Path:
+    """A whole checkpoint directory as the ranks leave it: real torch.save archives, and RESUME_INFO if `info`."""
+    checkpoint_dir.mkdir(parents=True)
+    torch.save({"position": 0, "weight": torch.zeros(3)}, checkpoint_dir / STATE)
+    for rank in range((info or {}).get("world_size", world_size)):
+        torch.save({"rng": torch.zeros(4, dtype=torch.uint8)}, checkpoint_dir / rank_file(rank))
+    if info is not None:
+        (checkpoint_dir / RESUME_INFO).write_text(json.dumps(info))
+    return checkpoint_dir
+
+
+def write_run(run_dir: Path, registered: str | None, info: dict | None, unregistered: str | None = None,
+              ray_version: str | None = None) -> None:
     """A run directory as Ray Train leaves it: checkpoint directories and its snapshot of those registered."""
     for name in filter(None, (registered, unregistered)):
-        (run_dir / name).mkdir(parents=True)
-        if info is not None:
-            (run_dir / name / RESUME_INFO).write_text(json.dumps(info))
+        write_checkpoint(run_dir / name, info)
     latest = {"checkpoint_dir_name": registered, "metrics": {}, "version": 0} if registered else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / SNAPSHOT).write_text(json.dumps({"checkpoint_results": [], "latest_checkpoint_result": latest}))
+    snapshot = {"ray_version": ray_version or metadata.version("ray"), "checkpoint_results": [latest] if latest else [],
+                "latest_checkpoint_result": latest}
+    (run_dir / SNAPSHOT).write_text(json.dumps(snapshot))
 
 
 def test_every_config_key_is_classified():

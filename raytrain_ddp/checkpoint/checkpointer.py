@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import ray.train
 import torch
 from torch import nn
 
@@ -48,6 +47,8 @@ class Checkpointer:
     """As the strategy wrapped it (DDP or FSDP)."""
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    resume_from: str | None = None
+    """The driver's choice of checkpoint (the newest whole one), loaded while Ray has registered none in this run."""
 
     def save(
         self, state: TrainingState, step: int | None = None, force: bool = False, metrics: dict[str, Any] | None = None,
@@ -100,7 +101,7 @@ class Checkpointer:
 
         try:
             # A sharded (FSDP) checkpoint loads from its shards, at any world size, into either strategy
-            restored = io.load(self.rank, load_shards)
+            restored = io.load(self.rank, load_shards, self.resume_from)
             if restored is None:
                 return False
             saved, own = restored
@@ -116,7 +117,7 @@ class Checkpointer:
                 set_rng_states(own["rng"])
             return True
         except (Exception, CheckpointException) as err:  # one line on every retry, not a traceback each time
-            checkpoint = ray.train.get_checkpoint()
+            checkpoint = io.resumed_checkpoint(self.resume_from)
             mismatch = isinstance(err, RuntimeError) and loading[-1:] == ["model"]
             path = checkpoint.path if checkpoint is not None else None
             raise ConfigError(restore_failure(self.cfg, path, err, mismatch)) from None

@@ -15,7 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.checkpoint.files import FRESH, RESUME_INFO, latest_checkpoint, read_info
+from raytrain_ddp.checkpoint.files import FRESH, RESUME_INFO
 from raytrain_ddp.config import ConfigError, TrainConfig
 
 # Why refused: each decides which samples the saved position counts (dataset, its files, caps and
@@ -136,15 +136,8 @@ def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run
         )
 
 
-def resume_point(cfg: TrainConfig, run_dir: Path) -> tuple[Path | None, dict[str, Any] | None]:
-    """(the checkpoint a resume starts from, its RESUME_INFO): no checkpoint under --no-resume or
-    before the first is registered; no info for one saved before checkpoints carried it."""
-    checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
-    return checkpoint_dir, read_info(checkpoint_dir) if checkpoint_dir is not None else None
-
-
 def check_resume(cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, model: Any) -> list[str]:
-    """A (re)start's fit with its checkpoint (resume_point): the lines to print, or ConfigError.
+    """A (re)start's fit with its checkpoint (files.resume_choice): the lines to print, or ConfigError.
     The config is compared, and `model`, built on the meta device with the checkpoint's
     in_channels, checked against the checkpoint's shapes."""
     if saved is not None:

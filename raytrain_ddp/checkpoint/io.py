@@ -14,7 +14,10 @@ same step, as Ray needs), in Ray's ASYNC upload mode with an upload function tha
 the shards' files: Ray copies the directory to storage, and registers the checkpoint, only once
 every file is complete, so a checkpoint that is still being written can never be resumed from. Ray
 registers a checkpoint only after it is fully persisted, so a half-written one is never taken as the
-latest; a rerun with the same --storage-path/--name resumes from it.
+latest; a rerun with the same --storage-path/--name resumes from it. Where Ray's run snapshot
+cannot serve that rerun (its latest is damaged or gone, or another Ray release wrote it), the
+driver sets it aside and hands the ranks its own choice, the newest whole checkpoint
+(files.resume_choice), as `resume_from` (resumed_checkpoint).
 
 Rank 0 also writes RESUME_INFO, a small JSON file the driver reads in milliseconds, without torch:
 the resolved config that saved the checkpoint, where it stands, and the model's state-dict shapes,
@@ -98,10 +101,22 @@ def upload_when_written(written: Future, checkpoint: ray.train.Checkpoint, name:
     return ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, name)
 
 
-def load(rank: int, load_shards: Callable[[Path], None]) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
-    """(shared state, this rank's own part or None) from the latest checkpoint, if there is one;
-    a sharded checkpoint's SHARDS directory goes to `load_shards` while it is at hand."""
+def resumed_checkpoint(resume_from: str | None) -> ray.train.Checkpoint | None:
+    """The checkpoint to resume from: the latest Ray registered in this run, else the driver's
+    choice `resume_from` (the newest whole one, where Ray's run snapshot could not serve it)."""
     checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and resume_from is not None:
+        return ray.train.Checkpoint(resume_from)
+    return checkpoint
+
+
+def load(
+    rank: int, load_shards: Callable[[Path], None], resume_from: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """(shared state, this rank's own part or None) from the checkpoint to resume from
+    (resumed_checkpoint), if there is one; a sharded checkpoint's SHARDS directory goes to
+    `load_shards` while it is at hand."""
+    checkpoint = resumed_checkpoint(resume_from)
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as directory:

@@ -13,7 +13,10 @@ the name, never every command.
 - `elastic`: Ray's elastic scaling policy, counting only the nodes that stay.
 - `callbacks`: a hook in Ray Train's controller before it resizes a worker group.
 - `state`: what the GCS knows that Ray has no public call for (draining nodes, token auth, the
-  cluster's Ray version, a local GPU's memory).
+  cluster's Ray version, a local GPU's memory), and token auth turned on in a process that
+  imported Ray already (`use_token_auth`).
+- `snapshot`: which Ray release Ray Train's run snapshot says wrote it, so a resume knows when
+  Ray would refuse the snapshot and our own checkpoint files must serve instead.
 
 A feature that needs a newer Ray is refused in one line (`require`), and what a run goes without
 is said once at its start (`going_without`). This package must not import torch: Ray Train's
