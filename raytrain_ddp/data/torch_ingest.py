@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data.batches import Batches, Loaders, SkipCount
+from raytrain_ddp.data.loader_workers import worker_start
 from raytrain_ddp.data.registry import Data, dataset_builder
 
 
@@ -144,6 +145,8 @@ def torch_loaders(
         pin_memory=cuda,  # pinned host memory only helps host-to-GPU copies
         persistent_workers=cfg.data_workers > 0,
     )
+    if cfg.data_workers > 0:  # a forkserver's workers, not forks of this many-threaded rank (loader_workers.py)
+        common["multiprocessing_context"] = worker_start([data.train, data.val])
     # Its own generator: a DataLoader seeds its workers from the global torch stream otherwise, and
     # a resumed run, which makes one more iterator, would then draw its dropout from another place.
     train = DataLoader(PerSampleRandom(data.train, cfg.seed), sampler=sampler, generator=torch.Generator().manual_seed(cfg.seed), **common)

@@ -11,6 +11,9 @@ validation batch at most once a second, and the end of a checkpoint, whose writi
 Under DDP rank 0 cannot finish a step while any rank is stuck, so its silence is the world's; in
 validation it can, until the collective that ends it.
 
+A rank's DataLoader workers are read too (its child processes): a rank that waits on its loader
+is stuck where they are.
+
 How a stack is read, the diagnosis and the kill serve `raytrain launch`'s watch too (launch_stall.py),
 and the reading `raytrain stack` (stack.py).
 """
@@ -52,6 +55,10 @@ VALIDATION_SILENCE = "the epoch's validation did not move"
 """... and what it did not do in the phase after an epoch's last step (sink.py's "validation")."""
 STAGES = ("(forward)", "(backward)")
 """Where in forward_backward a rank waits, in the order a step passes them."""
+LOADER_LOOP = "torch/utils/data/_utils/worker.py"
+"""The file of a DataLoader worker's loop: a process under a rank that runs it is one of its loader workers."""
+LOADER_WAIT = "torch/utils/data/dataloader.py"
+"""... and a rank's frame in this file waits on its loader."""
 
 
 class Stalled(RuntimeError):
@@ -94,6 +101,19 @@ class Report:
     """The verdict: who is where."""
     stacks: str
     """The folder of the ranks' stacks: stall/ for the run's first, stall-2/ for its second, ..."""
+
+
+@dataclass(frozen=True)
+class LoaderWorker:
+    """One of a rank's DataLoader worker processes, as found on the rank's node."""
+
+    pid: int
+    stack: str
+    """Its `py-spy dump`, or EXITED."""
+
+
+EXITED = "exited: a zombie its rank has not reaped"
+"""A loader worker that died: the rank's loader waits for a batch it will never send."""
 
 
 class StallWatch:
@@ -152,20 +172,75 @@ def stall_folder(run_dir: Path, before: list[Report]) -> Path:
 
 def diagnose(ranks: list[dict[str, Any]], stacks: list[str], quiet: float | None, folder: Path,
              say: Callable[[str], None], silence: str = STEP_SILENCE) -> Report:
-    """Write every rank's stack to `folder`/rankN.txt, say where each is, end the ranks, and return
-    the report that names the rank the others wait for. `silence`: what did not happen for `quiet`
-    seconds (a launched script has no steps: its stacks did not change)."""
+    """Write every rank's stack to `folder`/rankN.txt (its loader workers' to rankN-loader-workerI.txt),
+    say where each is, end the ranks, and return the report that names the rank the others wait for
+    (and, after it, any loader worker not waiting for work). `silence`: what did not happen for
+    `quiet` seconds (a launched script has no steps: its stacks did not change)."""
     folder.mkdir(parents=True, exist_ok=True)
     places = []
     say(f"stalled: {silent_for(silence, quiet)}; every rank's stack -> {folder}")
+    workers = dump_loader_workers(ranks)
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
         (folder / f"rank{rank}.txt").write_text(text)
         place = read_place(text)
         places.append(place)
         waits = f"waits in {place.collective}" if place.collective else "waits in no collective"
         say(f"  rank {rank} on {where['hostname']} pid {where['pid']}: {place.frame}; {waits}")
-    end_ranks(ranks)
-    return Report(time.time(), quiet, culprit_ranks(places), verdict(ranks, places, quiet, folder, silence), str(folder))
+        for i, worker in enumerate(workers[rank]):
+            (folder / f"rank{rank}-loader-worker{i}.txt").write_text(worker.stack)
+            say(f"    {worker_label(rank, i, worker)} {loader_place(worker.stack)}")
+    end_ranks(ranks, workers)
+    line = verdict(ranks, places, quiet, folder, silence)
+    finding = loader_finding(stacks, workers)
+    return Report(time.time(), quiet, culprit_ranks(places), f"{line}; {finding}" if finding else line, str(folder))
+
+
+def worker_label(rank: int, i: int, worker: LoaderWorker) -> str:
+    return f"rank {rank}'s loader worker {i} (pid {worker.pid})"
+
+
+def loader_place(stack: str) -> str:
+    """Where a loader worker is, as a phrase after its label: waiting for work, in the dataset's code
+    (the innermost frame of the user's or ours), or wherever its loop stands (a lock held at fork
+    time shows here); or that it exited."""
+    if stack == EXITED:
+        return "has exited (a zombie its rank has not reaped)"
+    if not is_stack(stack):
+        return f"has no stack ({stack.splitlines()[0] if stack else 'py-spy said nothing'})"
+    frames = loader_frames(stack)
+    loop = next((i for i, m in enumerate(frames) if m["file"].endswith(LOADER_LOOP)), None)
+    if loop is None:
+        return "is not in a loader's loop"
+    called = frames[loop - 1] if loop > 0 else None
+    if called is not None and called["file"].endswith("multiprocessing/queues.py") and called["func"].endswith("get"):
+        return "waits for work"
+    m = next((m for m in frames[:loop] if is_ours(m["file"])), frames[0])
+    return f"is at {m['file']}:{m['line']} in {m['func']}"
+
+
+def loader_frames(stack: str) -> list[re.Match[str]]:
+    """The frames, innermost first, of the worker's thread that runs the loader's loop."""
+    blocks = re.split(r"^Thread ", stack, flags=re.M)[1:]
+    threads = [[m for m in map(FRAME.match, block.splitlines()[1:]) if m] for block in blocks]
+    return next((frames for frames in threads if any(m["file"].endswith(LOADER_LOOP) for m in frames)), [])
+
+
+def loader_finding(stacks: list[str], workers: list[list[LoaderWorker]]) -> str | None:
+    """The one line on the ranks' loader workers: the ones not waiting for work (stuck in the
+    dataset, in a lock, or exited), or a rank that waits on its loader with no live worker, or
+    whose workers all wait for work (a batch lost between them); None when nothing stands out."""
+    said = []
+    for rank, (text, mine) in enumerate(zip(stacks, workers)):
+        busy = [f"{worker_label(rank, i, w)} {where}" for i, w in enumerate(mine)
+                if (where := loader_place(w.stack)) != "waits for work"]
+        waits = any(LOADER_WAIT in m["file"] for m in training_frames(text))
+        if busy:
+            said += busy
+        elif waits and not mine:
+            said.append(f"rank {rank} waits on its loader, which has no worker process left")
+        elif waits:
+            said.append(f"rank {rank} waits on its loader, whose {len(mine)} workers all wait for work")
+    return "; ".join(said) or None
 
 
 def silence_in(phase: str | None) -> str:
@@ -327,11 +402,68 @@ def dump_stacks(ranks: list[dict[str, Any]], dump: Callable[[int], str] | None =
     return [ask if isinstance(ask, str) else fetch(ask, f"no answer from {r['ip']}") for ask, r in zip(asks, ranks)]
 
 
-def end_ranks(ranks: list[dict[str, Any]]) -> None:
-    """SIGKILL every rank: stuck in a collective, none would end before its timeout."""
+def end_ranks(ranks: list[dict[str, Any]], workers: list[list[LoaderWorker]] | None = None) -> None:
+    """SIGKILL every rank: stuck in a collective, none would end before its timeout. Then its
+    loader workers: one stuck in a lock never sees its rank is gone (torch's watchdog runs in its loop)."""
     for ask in on_each_rank(ranks, kill):
         if ask is not None and not isinstance(ask, str):
             fetch(ask, "")
+    if workers and any(workers):
+        pids = [{**r, "pid": [w.pid for w in mine]} for r, mine in zip(ranks, workers)]
+        for ask in on_each_rank(pids, kill_all):
+            if ask is not None and not isinstance(ask, str):
+                fetch(ask, "")
+
+
+def dump_loader_workers(ranks: list[dict[str, Any]], dump: Callable[[int], list[LoaderWorker]] | None = None
+                        ) -> list[list[LoaderWorker]]:
+    """Every rank's loader workers with their stacks (`loader_workers`, or `dump`), on the rank's node."""
+    asks = on_each_rank(ranks, dump or loader_workers)
+    found = [ask if isinstance(ask, (list, str)) else fetch(ask, "") for ask in asks]
+    return [workers if isinstance(workers, list) else [] for workers in found]  # a str: no node, no answer
+
+
+def loader_workers(pid: int, pause: bool = True) -> list[LoaderWorker]:
+    """The DataLoader workers under the process `pid` on this host, whatever their start method (a
+    forkserver's are its grandchildren), with their stacks; an exited one (a zombie) too."""
+    found = []
+    for child in descendants(pid):
+        if is_zombie(child):
+            found.append(LoaderWorker(child, EXITED))
+            continue
+        text = py_spy(child, pause)
+        if LOADER_LOOP in text:
+            found.append(LoaderWorker(child, text))
+    return found
+
+
+def glance_loader_workers(pid: int) -> list[LoaderWorker]:
+    """`loader_workers` without pausing them (as `glance`)."""
+    return loader_workers(pid, pause=False)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, from /proc/PID/task/*/children (the kernel's record of each
+    thread's children: a worker forked from the training thread is that thread's child)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(kid) for kid in children.read_text().split()]
+            except OSError:  # the thread or process ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return sorted(set(found))
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        # The state follows the command's closing parenthesis (the command may hold spaces).
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def on_each_rank(ranks: list[dict[str, Any]], call: Callable[[int], Any]) -> list[Any]:
@@ -392,3 +524,8 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        kill(pid)
