@@ -175,3 +175,21 @@ def test_a_restart_that_finds_no_checkpoint_is_recorded_and_its_epoch_shown_agai
     assert (event["from"], event["to"], event["epoch"], event["position"]) == (2, 2, 1, 0)
     assert event["why"] == "a worker group restarted after a failure"
     assert [r["resizes"] for r in read_csv(tmp_path / "d" / "metrics.csv")] == ["1"]
+
+
+def test_a_joined_clusters_gcs_that_stops_answering_is_said_gone_within_seconds():
+    import socket
+
+    from raytrain_ddp.driver.session import GCS_LOST_S, GcsWatch
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    watch = GcsWatch(address)
+    assert watch.lost() is None
+    listener.close()  # the head went away: its port refuses
+    closed = time.monotonic()
+    while (lost := watch.lost()) is None:
+        assert time.monotonic() - closed < GCS_LOST_S + 3, "never said gone"
+        time.sleep(0.1)
+    assert time.monotonic() - closed >= GCS_LOST_S  # a blip shorter than that is no loss
+    assert lost == f"its head's GCS at {address} does not answer (Connection refused)"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import shutil
 import signal
 import socket
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from raytrain_ddp.driver.session import FULL_PRIORITY
+from raytrain_ddp.driver.ray_head import head_command, head_env, new_token
 
 
 @dataclass
@@ -61,37 +60,13 @@ def local_head(
     # A short temp dir: Ray's socket paths must stay under 107 bytes.
     tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     os.chmod(tmp, 0o700)
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(32))
-    os.chmod(token, 0o600)
-    base_env = {
-        **os.environ,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token),
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop in ~2 s, not 30
-        **FULL_PRIORITY,
-        **(extra_env or {}),
-    }
-    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
-        base_env.pop(key, None)
+    base_env = head_env(new_token(tmp), extra_env)
     if dashboard:
         # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
         base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
 
     def start() -> tuple[subprocess.Popen, Head]:
-        # Every port explicit: Ray's servers share a taken port silently, and a second head on the
-        # default Ray Client port (10001) would answer for the first one at random.
         port, url_port, autoscaler_metrics, dashboard_metrics, *others = free_ports("127.0.0.1", 11)
-        ports = [
-            f"--{flag}={number}"
-            for flag, number in zip(
-                ("node-manager-port", "object-manager-port", "ray-client-server-port", "metrics-export-port",
-                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port"),
-                others,
-            )
-        ]
-        workers = random.randrange(20000, 30000, 100)  # a worker-port block of its own, most likely
         env, url, web = dict(base_env), None, ["--include-dashboard=false"]
         if dashboard:
             url = f"http://127.0.0.1:{url_port}"
@@ -99,13 +74,8 @@ def local_head(
             env |= {"AUTOSCALER_METRIC_PORT": str(autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(dashboard_metrics)}
         shutil.rmtree(tmp / "ray", ignore_errors=True)  # a failed try's session
         proc = spawn(
-            [
-                ray or str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                f"--port={port}", *ports, f"--min-worker-port={workers}", f"--max-worker-port={workers + 99}",
-                "--node-ip-address=127.0.0.1",
-                f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=200000000",
-                *web, "--disable-usage-stats", f"--temp-dir={tmp / 'ray'}",
-            ],
+            head_command(ray, port, others, tmp / "ray", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+                         "--object-store-memory=200000000", *web),
             env, tmp / "ray-start.log",
         )
         try:

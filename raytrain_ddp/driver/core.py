@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from raytrain_ddp.driver.metrics import write_json
 from raytrain_ddp.driver.preflight import RunPlan
-from raytrain_ddp.driver.session import FitThread
+from raytrain_ddp.driver.session import LOST_SETTLE_S, FitThread, ray_lost
 from raytrain_ddp.driver.startup import stages, stages_line
 from raytrain_ddp.driver.startup import summary as startup_summary
 
@@ -31,6 +31,15 @@ class Stopped(Exception):
         super().__init__(message)
         self.at_once = at_once
         """The ranks did not answer in time and were ended: fit() may still block in Ray."""
+
+
+class RayLost(Exception):
+    """The Ray cluster went away under the run (a part of the private Ray died, or a joined cluster's
+    head): nothing of the run can go on, and Ray's own errors would only say that a call failed."""
+
+    def __init__(self, what: str, kept: str = "Run the same command again to resume") -> None:
+        super().__init__(f"the Ray cluster went away under the run: {what}. {kept}")
+        self.what = what
 
 
 class Interrupted(KeyboardInterrupt):
@@ -83,6 +92,13 @@ class Signals:
             raise KeyboardInterrupt
         self.received.append(signal.Signals(signum).name)
 
+    def stop_before_start(self) -> None:
+        """Before any rank started: put the handlers back (ray.init puts in Ray's C++ one for SIGTERM,
+        which prints a stack and aborts), and end the command for a signal that came: nothing to stop."""
+        self.install()
+        if self.received:
+            raise Stopped(f"got {self.first} before any rank started; nothing to stop")
+
     @property
     def first(self) -> str | None:
         return self.received[0] if self.received else None
@@ -99,21 +115,40 @@ def drive(trainer: Any, signals: Signals, poll: Callable[[], None], stop: Callab
     """Run trainer.fit() on a thread of its own (session.FitThread, so our SIGINT handler stays in
     place) and watch it: every `every_s`, `poll()` the ranks' news, and pass each signal on as
     `stop(name, signals before it)`. A last poll after fit() returns catches the news that came with its end.
-    Returns fit()'s error, for the command to judge."""
+    Returns fit()'s error, for the command to judge; raises RayLost when the cluster went away, in place
+    of whatever Ray's calls raised then."""
     fit = FitThread(trainer)
     signals.live = True
     fit.start()
     try:
-        while fit.is_alive():
-            poll()
-            for name, before in signals.news():
+        try:
+            while fit.is_alive():
+                if lost := ray_lost():
+                    raise RayLost(lost)
+                poll()
+                for name, before in signals.news():
+                    stop(name, before)
+                fit.join(every_s)
+            for name, before in signals.news():  # one that came as fit() ended still gets its answer
                 stop(name, before)
-            fit.join(every_s)
-        for name, before in signals.news():  # one that came as fit() ended still gets its answer
-            stop(name, before)
-    finally:
-        poll()
+        finally:
+            if not ray_lost():
+                poll()
+    except RayLost:
+        raise
+    except Exception as err:
+        if lost := ray_lost(settle_s(err)):
+            raise RayLost(lost) from None
+        raise
+    if fit.error is not None and (lost := ray_lost(settle_s(fit.error))):
+        raise RayLost(lost)
     return fit.error
+
+
+def settle_s(err: BaseException) -> float:
+    """How long an error waits for the cluster's loss to show: Ray's errors may be its first sign (a
+    call to an actor on a dead raylet fails at once); ours (a stop, a stall) never are."""
+    return LOST_SETTLE_S if type(err).__module__.startswith("ray.") else 0.0
 
 
 class StartupClock:

@@ -3,6 +3,7 @@ on its own node, Ray Train's configs for a planned run, and fit() on a thread of
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -11,18 +12,17 @@ import socket
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.ray_compat import has
-from raytrain_ddp.ray_compat.state import cluster_ray_version, quiet_ray_notices
+from raytrain_ddp.ray_compat.state import cluster_ray_version, quiet_ray_notices, use_token_auth
 
-
-FULL_PRIORITY = {"RAY_worker_niceness": "0"}
-"""The environment of every Ray we start (the private local one, the test and benchmark heads): its
-workers, our ranks and their loader workers, run at nice 0 as torchrun's do. Ray's default, 15,
-gives a rank 36/1024 of the CPU weight of any nice-0 process beside it (cluster/ray_node.sh too)."""
+if TYPE_CHECKING:
+    from raytrain_ddp.driver.private_ray import PrivateRay
 
 
 def ray_address(cfg: TrainConfig) -> str | None:
@@ -32,6 +32,7 @@ def ray_address(cfg: TrainConfig) -> str | None:
 def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None:
     """Join (or start) the Ray cluster. `runtime_env` is the job's, for all its workers: Ray ships a
     local directory (the user's code) only when the connection is made with it."""
+    global _joined
     import ray
 
     if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
@@ -42,18 +43,13 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         log_to_driver=cfg.verbose,
     )
     if address is None:
-        # "local" forces a new private cluster; None or "auto" would attach to whatever Ray this
-        # machine last started, which may be another user's or another job's.
+        # Our own head, by its address and token: never whatever Ray this machine last started
+        # (None or "auto"), which may be another user's or another job's.
         if not cfg.verbose:
             quiet_ray_notices()
-        for key, value in FULL_PRIORITY.items():  # the raylet, started by ray.init, passes it on to its workers
-            os.environ.setdefault(key, value)
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            _temp_dir=os.path.join(tempfile.gettempdir(), f"raytrain-{os.getuid()}"),
-            **quiet,
-        )
+        private = private_ray_up(cfg)
+        use_token_auth(str(private.token))
+        ray.init(address=private.address, runtime_env=runtime_env, **quiet)
         return
     if address == "auto":
         raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
@@ -69,6 +65,7 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
             raise ConfigError(mismatch)
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
+            _joined = GcsWatch(address) if not address.startswith("ray://") else None
             return
         except (ConnectionError, RuntimeError) as err:
             if mismatch := ray_mismatch(address, str(err)):
@@ -84,6 +81,97 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
         "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
     )
+
+
+_private: PrivateRay | None = None
+"""This process's private Ray, from the command's start (start_private_ray) to its end."""
+_joined: GcsWatch | None = None
+"""The GCS of the cluster this process joined by address, watched while a run is driven."""
+
+
+def start_private_ray(cfg: TrainConfig) -> None:
+    """Spawn the private Ray now, when the command will want one: it comes up while the driver
+    imports torch and checks the request. It ends when this process does (PrivateRay.stop at exit,
+    or its keeper on seeing this process gone)."""
+    global _private
+    if _private is not None or ray_address(cfg) is not None:
+        return
+    from raytrain_ddp.driver.private_ray import PrivateRay
+
+    _private = PrivateRay()
+    atexit.register(stop_private_ray)  # after ray.shutdown, which ray.init registers later
+
+
+def private_ray_up(cfg: TrainConfig) -> PrivateRay:
+    global _private
+    from raytrain_ddp.driver.private_ray import up
+
+    start_private_ray(cfg)
+    _private = up(_private)
+    return _private
+
+
+def stop_private_ray() -> None:
+    """End the private Ray and wait until every process of it is gone (a no-op without one)."""
+    if _private is not None:
+        _private.stop()
+
+
+LOST_SETTLE_S = 4.0
+"""How long an error in a run may wait for the cluster's loss to be known before it is reported as
+itself, once the loss is suspected: the keeper and `ray start` take up to ~2 s to say which part
+died, a joined GCS GCS_LOST_S."""
+SUSPECT_S = 1.2
+"""How long it waits for a first sign of a loss (the keeper looks every 0.25 s, GcsWatch once a
+second): without one, a failed run's error is its own."""
+
+
+def ray_lost(wait_s: float = 0.0) -> str | None:
+    """Which part of the Ray cluster this driver uses went away, in words; None while it is there (or
+    where we cannot tell). `wait_s`: how long to wait for a suspected loss to show."""
+    watch = _private if _private is not None else _joined
+    if watch is None:
+        return None
+    start = time.monotonic()
+    while True:
+        lost = watch.lost()
+        waited = time.monotonic() - start
+        if lost or waited >= wait_s or (waited >= SUSPECT_S and not watch.suspect()):
+            return lost
+        time.sleep(0.1)
+
+
+GCS_LOST_S = 3.0
+"""How long a joined cluster's GCS may refuse connections before the cluster counts as gone."""
+
+
+@dataclass
+class GcsWatch:
+    """A joined cluster's GCS, checked by a TCP connect at most once a second: Ray's own client
+    retries a lost GCS for 60 s, a line a second, before it gives up."""
+
+    address: str
+    failing_since: float | None = None
+    checked: float = 0.0
+    reason: str = ""
+
+    def suspect(self) -> bool:
+        return self.failing_since is not None
+
+    def lost(self) -> str | None:
+        now = time.monotonic()
+        if now - self.checked >= 1.0:
+            self.checked = now
+            host, _, port = self.address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                self.failing_since = None
+            except OSError as err:
+                self.failing_since = self.failing_since or now
+                self.reason = err.strerror or str(err)
+        if self.failing_since is None or now - self.failing_since < GCS_LOST_S:
+            return None
+        return f"its head's GCS at {self.address} does not answer ({self.reason})"
 
 
 RAY_MISMATCH = re.compile(r"started with:\s+Ray: (\S+)\s+Python: (\S+)\s+This process .*? started with:\s+Ray: (\S+)\s+Python: (\S+)", re.S)

@@ -1,7 +1,8 @@
 """`raytrain stack`: every rank's Python stack of a running `run` or `launch`, labelled by rank and
-host (as `ray stack` shows a node's workers, but by rank and on every node); and the run's
-workers.json, where the drivers record which pid on which host is which rank, and the Ray cluster
-they run on, so this command can reach them from any machine that reaches the cluster.
+host (as `ray stack` shows a node's workers, but by rank and on every node), each with its
+DataLoader workers' stacks; and the run's workers.json, where the drivers record which pid on which
+host is which rank, and the Ray cluster they run on, so this command can reach them from any machine
+that reaches the cluster.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.metrics import write_json
 from raytrain_ddp.driver.session import check_reachable, connect
-from raytrain_ddp.driver.stall import dump_stacks, glance, is_stack
-from raytrain_ddp.ray_compat.state import token_auth_enabled
+from raytrain_ddp.driver.stall import (
+    dump_loader_workers, dump_stacks, glance, glance_loader_workers, is_stack, loader_place, worker_label,
+)
+from raytrain_ddp.ray_compat.state import token_auth_enabled, use_token_auth
 
 WORKERS = "workers.json"
 
@@ -23,15 +26,18 @@ WORKERS = "workers.json"
 def write_workers(run_dir: Path, ranks: list[dict[str, Any]]) -> None:
     """<run dir>/workers.json: each rank's hostname, ip and pid, by rank; the address of the Ray
     cluster the driver is connected to (a private local Ray's too, while the driver runs), and
-    whether it talks to it with a token (never the token itself)."""
+    whether it talks to it with a token, and the token's file (never the token itself): a private
+    Ray's is its own, in a directory only this user reads, gone with it."""
     import ray
 
     write_json(Path(run_dir) / WORKERS, {"ranks": ranks, "ray_address": ray.get_runtime_context().gcs_address,
-                                         "token_auth": token_auth_enabled()})
+                                         "token_auth": token_auth_enabled(),
+                                         "token_path": os.environ.get("RAY_AUTH_TOKEN_PATH")})
 
 
 def show_stacks(storage_path: str, name: str | None) -> None:
-    """Print `== rank N on HOST pid PID ==` and its `py-spy dump` for every rank of the run."""
+    """Print `== rank N on HOST pid PID ==` and its `py-spy dump` for every rank of the run, then
+    `== rank N's loader worker I (pid PID) on HOST: where ==` and its dump for each of its loader workers."""
     run_dir = find_run(Path(storage_path).expanduser().absolute(), name)
     record = json.loads((run_dir / WORKERS).read_text())
     address, ranks = record.get("ray_address"), record["ranks"]
@@ -42,16 +48,22 @@ def show_stacks(storage_path: str, name: str | None) -> None:
     except ConfigError:
         raise ConfigError(f"run {run_dir.name} is not running: the Ray cluster it ran on ({address}) does not answer") from None
     if record.get("token_auth"):
-        # As the run's driver did. A private local Ray turns token auth on by itself (its token in
-        # ~/.ray/auth_token, where Ray looks by default), but a driver that names an address does not.
+        # As the run's driver did: with the run's token file, unless this shell names one of its own.
+        token_path = os.environ.get("RAY_AUTH_TOKEN_PATH") or record.get("token_path")
+        if token_path:
+            use_token_auth(token_path)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     connect(TrainConfig(address=address))
     stacks = dump_stacks(ranks, glance)  # unpaused: the run's own stall watch may be looking too
     if not any(map(is_stack, stacks)):
         pids = ", ".join(f"{r['pid']} on {r['hostname']}" for r in ranks)
         raise ConfigError(f"run {run_dir.name} is not running: none of its ranks' processes is there ({pids})")
+    workers = dump_loader_workers(ranks, glance_loader_workers)
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
         print(f"== rank {rank} on {where['hostname']} pid {where['pid']} ==\n{text.rstrip()}\n", flush=True)
+        for i, worker in enumerate(workers[rank]):
+            print(f"== {worker_label(rank, i, worker)} on {where['hostname']}: {loader_place(worker.stack)} ==\n"
+                  f"{worker.stack.rstrip()}\n", flush=True)
 
 
 def find_run(storage: Path, name: str | None) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -36,6 +37,18 @@ def token_auth_enabled() -> bool:
     except ImportError:  # a Ray without token auth
         return False
     return bool(is_token_auth_enabled())
+
+
+def use_token_auth(token_path: str) -> None:
+    """Connect with the token in `token_path` from now on. Ray's core reads RAY_AUTH_MODE once, as
+    ray._raylet loads, so the variables alone come too late in a process that imported Ray already."""
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # Ray reads it before the path
+    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:  # a Ray without token auth
+        return
+    _enable_token_auth()  # Ray's own way to make its cached config see the mode
 
 
 def quiet_ray_notices() -> None:
