@@ -1,6 +1,6 @@
 """What the parts of `raytrain launch` tell each other, as typed records: a rank's exit, why the
-scripts must stop, the hub's events for the driver (an output line, a new attempt, the start-up
-marks) and the outcome the driver reads at the end.
+scripts must stop, the hub's events for the driver (an output line, a new attempt, an attempt's
+end, the start-up marks) and the outcome the driver reads at the end.
 
 Both sides import this module and Ray pickles the records between them, so it stays light: stdlib
 only, no Ray, no torch.
@@ -11,6 +11,10 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 from typing import Any
+
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What libstdc++ prints before SIGABRT when a running std::thread is destroyed: torch's (gloo's,
+NCCL's) threads meeting the interpreter's teardown after a script's last line."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,19 @@ class RankExit:
     driver names the one that failed first by this, not by which agent spoke first."""
     aborted: bool
     """Stopped because a peer failed or the group resized: its code is no failure of its own."""
+    ran: bool = True
+    """Its script started: False for a rank stopped before it did."""
 
     @property
     def failed(self) -> bool:
         """The script failed of its own accord."""
         return self.code != 0 and not self.aborted
+
+    @property
+    def teardown_abort(self) -> bool:
+        """SIGABRT right after libstdc++'s `terminate called without an active exception`: how torch's
+        threads can end an interpreter's teardown, after the script's last line."""
+        return self.code == -signal.SIGABRT and self.last_line == TEARDOWN_ABORT
 
     def describe(self) -> str:
         """`exited with status 3: <its last line>`, as the driver's lines say it."""
@@ -120,7 +132,21 @@ class StartupMarks:
     """Stage name to time.time() at its end."""
 
 
-HubEvent = OutputLine | AttemptStarted | StartupMarks
+@dataclass(frozen=True)
+class AttemptEnded:
+    """Every rank of an attempt reported how its script ended: the driver says which failed first
+    (its traceback, the root cause) and which failed after it (knock-ons, one line each)."""
+
+    number: int
+    exits: dict[int, RankExit]
+    failed_first: int | None
+    excused: list[int]
+    """Ranks whose teardown abort does not fail the attempt (Attempt.excused in driver/hub.py)."""
+    signalled: bool
+    """The driver was signalled: the ranks ended by its stop, which its own last line tells."""
+
+
+HubEvent = OutputLine | AttemptStarted | AttemptEnded | StartupMarks
 """What the driver's main loop takes from the hub, in the order it happened."""
 
 
@@ -136,6 +162,8 @@ class LaunchOutcome:
     """The last attempt's exits, by rank; a rank whose agent never reported is missing."""
     failed_first: int | None
     """The last attempt's rank whose script failed first, if one did."""
+    excused: list[int]
+    """The last attempt's ranks whose teardown abort does not fail the run."""
     stop_signal: str | None
     """The signal the driver got first, if any."""
     peers: list[dict[str, Any] | None]

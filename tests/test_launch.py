@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,14 @@ from conftest import REPO, raytrain
 from test_cli import assert_refused
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.launch import find_target, parse_ranks
+from raytrain_ddp.driver.launch import find_target, judge, parse_ranks
 from raytrain_ddp.driver.startup import LAUNCH_STAGES, stages_line
 from raytrain_ddp.bench.local_ray import joined_node, local_head
+from raytrain_ddp.launch_records import LaunchOutcome, RankExit
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
 SNAPSHOT_SCRIPT = REPO / "tests" / "scripts" / "snapshot_train.py"
+FAILS_SCRIPT = REPO / "tests" / "scripts" / "rank_fails.py"
 SAMPLES = 256
 
 
@@ -152,9 +156,12 @@ def test_a_start_up_crash_restarts_with_a_fresh_rendezvous_and_its_root_cause_is
         assert env["PYTHONBREAKPOINT"] is None and env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
         assert start["sigint_default"] and start["blocked"] & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)) == 0
-    # A \r update stays on its line, with one rank mark per update.
-    assert "[rank0]: epoch 1 world size 2 loss " in proc.stdout and "\r[rank0]: (saved)\n" in proc.stdout
-    assert b"\r(saved)\n" in (tmp_path / "runs" / "r" / "logs" / "rank-0.log").read_bytes()
+    # A \r update reaches a file (not a terminal) as a terminal would leave it, with one rank mark;
+    # the rank's own log keeps every update.
+    assert re.search(r"^\[rank0\]: epoch 1 world size 2 loss [0-9.]+ \(saved\)$", proc.stdout, re.M)
+    assert "\r" not in proc.stdout
+    log = (tmp_path / "runs" / "r" / "logs" / "rank-0.log").read_bytes()
+    assert re.search(rb"(?m)^epoch 1 world size 2 loss [0-9.]+\repoch 1 ", log)
 
 
 @pytest.mark.e2e
@@ -240,6 +247,56 @@ def test_an_elastic_launch_that_finds_room_stops_every_rank_with_sigterm_and_gro
     assert events(out, 1)[-1] == {"event": "end", "epoch": 50, "world_size": 2, "stopped": None}
     summary = json.loads((tmp_path / "runs" / "grow" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["exit_codes"] == [0, 0], summary
+
+
+@pytest.mark.e2e
+def test_the_rank_that_failed_first_is_the_root_cause_and_a_knock_on_is_one_line(ray_head, tmp_path):
+    """Rank 1 raises at step 5 (no `@record`); rank 0 then fails in its next collective. The screen
+    shows rank 1's traceback, rank 0's failure in one line, one rank mark, and no `\r` updates."""
+    proc = raytrain("launch", "--workers", "2", "--storage-path", str(tmp_path / "runs"), "--name", "f",
+                    str(FAILS_SCRIPT), "--fail-rank", "1", "--fail-step", "5", env=ray_head.env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: rank 1 on "), proc.stderr[-3000:]
+    assert lines[-1].endswith("exited with status 1: RuntimeError: rank 1 failed at step 5 on purpose"), lines[-1]
+    cause = lines.index(next(line for line in lines if line.startswith("raytrain: root cause: ")))
+    assert lines[cause].endswith("raised RuntimeError: rank 1 failed at step 5 on purpose"), lines[cause]
+    assert lines[cause + 1] == "Traceback (most recent call last):", proc.stderr[-3000:]
+    assert f'  File "{FAILS_SCRIPT}", line ' in lines[cause + 2] and "in check_step" in proc.stderr
+    [knock_on] = [line for line in lines if line.startswith("raytrain: rank 0 exited with ")]
+    # Rank 0 fails in its collective, or the stop for rank 1's failure reaches it first: said either way.
+    assert "a knock-on of rank 1's failure" in knock_on or "stopped because rank 1 failed" in knock_on, knock_on
+    assert "Traceback" not in proc.stderr.replace(lines[cause + 1], "", 1), proc.stderr[-3000:]  # rank 0's is not shown
+    assert "[rank1]" not in proc.stderr and "[rank0]: [rank0]" not in proc.stderr + proc.stdout
+    assert "[rank0]: step 5 loss " in proc.stdout and "\r" not in proc.stdout  # a file gets each line settled
+    assert "Traceback (most recent call last):" in (tmp_path / "runs" / "f" / "logs" / "rank-0.log").read_text()
+    assert any(line.startswith("raytrain: layout: 2 workers x ") for line in lines)  # raytrain's own lines: prefixed
+
+
+@pytest.mark.e2e
+def test_a_teardown_abort_after_the_scripts_end_fails_nothing_and_is_said(ray_head, tmp_path):
+    """Rank 0 prints its end, then aborts as torch's teardown can (`terminate called without an active
+    exception`, SIGABRT), while rank 1 exits 0: the run succeeded, and one line says why."""
+    proc = raytrain("launch", "--workers", "2", "--max-failures", "1", "--storage-path", str(tmp_path / "runs"),
+                    "--name", "a", str(FAILS_SCRIPT), "--abort-at-exit", "0", env=ray_head.env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank0]: done after 10 steps" in proc.stdout
+    [said] = [line for line in proc.stderr.splitlines() if "SIGABRT" in line]
+    assert said.startswith("raytrain: rank 0 on ") and "looks like torch's interpreter teardown" in said, said
+    assert "attempt 2" not in proc.stderr  # not rerun under --max-failures
+    summary = json.loads((tmp_path / "runs" / "a" / "summary.json").read_text())
+    assert summary["attempts"] == 1 and summary["exit_codes"] == [134, 0], summary
+
+
+def test_ctrl_c_before_any_script_started_says_nothing_was_running(capsys):
+    stopped_early = RankExit(0, 0, "n1", "10.0.0.1", "", None, ended_at=0.0, aborted=False, ran=False)
+    outcome = LaunchOutcome(attempts=1, world_size=2, exits={0: stopped_early}, failed_first=None, excused=[],
+                            stop_signal="SIGINT", peers=[])
+    assert judge(outcome, None, ["SIGINT"]) == 130
+    assert judge(dataclasses_replace(outcome, exits={}), None, ["SIGTERM"]) == 75  # before the rendezvous
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["raytrain: stopped by SIGINT before any rank's script started; nothing was running, nothing lost",
+                    "raytrain: stopped by SIGTERM before any rank's script started; nothing was running, nothing lost"]
 
 
 def test_missing_script_is_one_line(tmp_path):

@@ -13,8 +13,9 @@ import time
 import pytest
 from conftest import REPO
 
-from raytrain_ddp.driver.launch import mark
-from raytrain_ddp.launch_records import StopReason, exit_status
+from raytrain_ddp.driver.hub import TEARDOWN_WAIT_S, Attempt
+from raytrain_ddp.launch_output import mark
+from raytrain_ddp.launch_records import TEARDOWN_ABORT, RankExit, StopReason, exit_status
 from raytrain_ddp.worker.agent import child_env, torchrun_env
 from raytrain_ddp.worker.supervisor import Stopper, pump
 
@@ -74,7 +75,50 @@ def test_carriage_returns_stay_inside_their_line():
     assert last["stdout"] == "next"
     # Each in-place update keeps its rank mark on a terminal; torch's own [rank0]: is not doubled.
     assert mark(0, " 10%\r100%") == "[rank0]:  10%\r[rank0]: 100%"
-    assert mark(0, "[rank0]:[W1123 c10d] warning") == "[rank0]:[W1123 c10d] warning"
+    assert mark(0, "[rank0]:[W1123 c10d] warning") == "[rank0]: [W1123 c10d] warning"
+
+
+def test_the_last_line_and_the_stderr_tail_drop_torchs_rank_mark():
+    pending, last, tail = [], {"stderr": ""}, __import__("collections").deque(maxlen=3)
+    pump(io.BytesIO(b"a\nb\n[rank1]: RuntimeError: x\n"), "stderr", pending, last, threading.Lock(), tail)
+    assert last["stderr"] == "RuntimeError: x"  # the driver's error line quotes it with one mark, its own
+    assert list(tail) == ["a", "b", "[rank1]: RuntimeError: x"]
+
+
+def ended(rank: int, code: int, last_line: str = "", at: float = 0.0) -> RankExit:
+    return RankExit(rank, code, "n1", "10.0.0.1", last_line, None, ended_at=at, aborted=False)
+
+
+def test_a_teardown_abort_fails_nothing_once_every_other_rank_exited_0():
+    attempt = Attempt(1, world_size=2)
+    attempt.exits[0], attempt.arrived[0] = ended(0, -signal.SIGABRT, TEARDOWN_ABORT), time.monotonic()
+    assert attempt.excused(0) and attempt.failed_first() is None  # rank 1 may yet exit 0: no peer stop
+    attempt.exits[1], attempt.arrived[1] = ended(1, 0), time.monotonic()
+    assert attempt.excused(0) and attempt.failed_first() is None
+
+
+def test_a_teardown_abort_fails_when_a_peer_failed_or_did_not_exit_in_time():
+    attempt = Attempt(1, world_size=2)
+    attempt.exits[0], attempt.arrived[0] = ended(0, -signal.SIGABRT, TEARDOWN_ABORT, at=1.0), time.monotonic()
+    attempt.exits[1], attempt.arrived[1] = ended(1, 1, "RuntimeError: x", at=2.0), time.monotonic()
+    assert not attempt.excused(0) and attempt.failed_first() == 0
+    late = Attempt(1, world_size=2)
+    late.exits[0], late.arrived[0] = ended(0, -signal.SIGABRT, TEARDOWN_ABORT), time.monotonic() - TEARDOWN_WAIT_S
+    assert not late.excused(0) and late.failed_first() == 0  # its peer is still running: a real failure
+    other = Attempt(1, world_size=2)  # SIGABRT with other last words: an abort of the script's own
+    other.exits[0], other.arrived[0] = ended(0, -signal.SIGABRT, "Fatal Python error: Aborted"), time.monotonic()
+    other.exits[1], other.arrived[1] = ended(1, 0), time.monotonic()
+    assert not other.excused(0) and other.failed_first() == 0
+    alone = Attempt(1, world_size=1)  # no peer to vouch that its training ended
+    alone.exits[0], alone.arrived[0] = ended(0, -signal.SIGABRT, TEARDOWN_ABORT), time.monotonic()
+    assert alone.failed_first() == 0
+
+
+def test_the_rank_that_failed_first_is_the_one_that_ended_first():
+    attempt = Attempt(1, world_size=3)
+    for rank, at in ((0, 5.0), (2, 3.0), (1, 4.0)):  # the order the reports arrived in
+        attempt.exits[rank], attempt.arrived[rank] = ended(rank, 1, at=at), time.monotonic()
+    assert attempt.failed_first() == 2
 
 
 def test_exit_status_as_a_shell_reports_it():
@@ -82,7 +126,10 @@ def test_exit_status_as_a_shell_reports_it():
     assert exit_status(-9) == 137 and exit_status(-15) == 143
 
 
-STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+STUBBORN = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)")
+"""A rank that ignores every stop: only the SIGKILL ends it (one that died of the SIGINT itself
+would race the kill)."""
 
 
 def child(code: str) -> subprocess.Popen:

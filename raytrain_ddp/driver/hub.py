@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from raytrain_ddp.launch_records import (
+    AttemptEnded,
     AttemptStarted,
     HubEvent,
     LaunchOutcome,
@@ -35,6 +36,8 @@ RESIZE_MARGIN_S = 15.0
 delays the resize by a bounded time."""
 NODE_CHECK_S = 1.0
 """How often the hub asks Ray whether a node of the running attempt died or is being drained."""
+TEARDOWN_WAIT_S = 10.0
+"""How long a rank's teardown abort waits for its peers' exits before it counts as a failure."""
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Attempt:
     scripts: dict[int, int] = field(default_factory=dict)
     """Each rank's script pid, by rank, once its agent started it."""
     exits: dict[int, RankExit] = field(default_factory=dict)
+    arrived: dict[int, float] = field(default_factory=dict)
+    """When each exit reached the hub (time.monotonic())."""
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once every rank joined."""
     resize: StopReason | None = None
@@ -59,8 +64,19 @@ class Attempt:
 
     def failed_first(self) -> int | None:
         """The rank whose script failed first, by when it ended, not by when its agent said so."""
-        failed = [(e.ended_at, r) for r, e in self.exits.items() if e.failed]
+        failed = [(e.ended_at, r) for r, e in self.exits.items() if e.failed and not self.excused(r)]
         return min(failed)[1] if failed else None
+
+    def excused(self, rank: int) -> bool:
+        """A teardown abort (torch's threads after the script's last line) fails nothing once every
+        other rank exited 0: they all got through their last collective with it, so its training
+        ended. While they may still do so (TEARDOWN_WAIT_S), it stops no one."""
+        end = self.exits.get(rank)
+        if end is None or not end.teardown_abort or self.world_size == 1:  # no peer to vouch for its end
+            return False
+        if any(e.code != 0 and not e.teardown_abort for r, e in self.exits.items() if r != rank):
+            return False
+        return not self.running() or time.monotonic() - self.arrived[rank] < TEARDOWN_WAIT_S
 
 
 @ray.remote(num_cpus=0)
@@ -110,6 +126,10 @@ class LaunchHub:
     def script_started(self, key: str, rank: int, pid: int) -> None:
         self.attempts[key].scripts[rank] = pid
 
+    def any_script(self) -> bool:
+        """Whether any rank's script has started, in any attempt."""
+        return any(attempt.scripts for attempt in self.attempts.values())
+
     def ranks(self) -> list[dict[str, Any]]:
         """Where each rank's script runs (hostname, ip, pid), by rank, while the last attempt runs
         with every script started and none ended (the stall watch's and `raytrain stack`'s ranks);
@@ -123,9 +143,23 @@ class LaunchHub:
     def output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         self.events.extend(OutputLine(rank, stream, text) for stream, text in lines)
 
-    def exited(self, key: str, end: RankExit) -> None:
-        self.attempts[key].exits[end.rank] = end
+    async def exited(self, key: str, end: RankExit) -> None:
+        attempt = self.attempts[key]
+        attempt.exits[end.rank], attempt.arrived[end.rank] = end, time.monotonic()
+        if end.teardown_abort:  # a peer stop, if its peers have not all exited 0 by then
+            asyncio.get_running_loop().call_later(TEARDOWN_WAIT_S, self._wake)
+        if not attempt.running():
+            self.events.append(AttemptEnded(attempt.number, dict(attempt.exits), attempt.failed_first(),
+                                            [r for r in attempt.exits if attempt.excused(r)], self.stop is not None))
         self._wake()
+
+    async def excused(self, key: str, rank: int) -> bool:
+        """Whether this rank's teardown abort fails nothing (Attempt.excused), once its peers all
+        exited or TEARDOWN_WAIT_S passed."""
+        attempt = self.attempts[key]
+        while attempt.running() and time.monotonic() - attempt.arrived[rank] < TEARDOWN_WAIT_S:
+            await asyncio.sleep(EXITS_POLL_S)
+        return attempt.excused(rank)
 
     def _abort(self, attempt: Attempt | None) -> StopReason | None:
         if self.stop is not None or attempt is None:
@@ -202,6 +236,7 @@ class LaunchHub:
             world_size=last.world_size if last else None,
             exits=last.exits if last else {},
             failed_first=last.failed_first() if last else None,
+            excused=[r for r in last.exits if last.excused(r)] if last else [],
             stop_signal=self.stop.received if self.stop else None,
             peers=[last.peers.get(r) for r in range(last.world_size)] if last else [],
         )

@@ -26,14 +26,33 @@ from raytrain_ddp.driver.core import Signals, StartupClock, drive
 from raytrain_ddp.driver.launch_stall import StackWatch
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
-from raytrain_ddp.driver.session import on_this_node, restarts, trainer_configs
+from raytrain_ddp.driver.session import on_this_node, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.stall import Report
 from raytrain_ddp.driver.startup import LAUNCH_STAGES
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
-from raytrain_ddp.launch_records import AttemptStarted, LaunchOutcome, RankExit, StartupMarks, describe_exit, exit_status
+from raytrain_ddp.launch_output import TRACEBACK, mark, settled, unmark
+from raytrain_ddp.launch_records import (
+    TEARDOWN_ABORT,
+    AttemptEnded,
+    AttemptStarted,
+    LaunchOutcome,
+    OutputLine,
+    RankExit,
+    StartupMarks,
+    describe_exit,
+    exit_status,
+)
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
+HOLD_S = 5.0
+"""How long a shown rank's traceback is held back from the terminal, waiting for its rank's exit to
+tell a root cause (shown whole, once) from a knock-on (one line); a script that lives on after it
+printed a traceback gets it shown after this."""
+MOST_KNOCK_ONS = 3
+"""Knock-on failures named one line each; more are counted."""
+QUOTE_CHARS = 200
+"""A knock-on's quoted message is cut here, to stay one line."""
 LAUNCH_FIELDS = (
     "workers", "gpu", "cpus_per_worker", "placement", "address", "storage_path", "name",
     "max_failures", "wait_for_resources", "resize_check_s", "verbose", "stall_timeout",
@@ -122,8 +141,9 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
         print(f"run directory: {checked.run_dir}\n{scaling}\n{run_config}")
         return 0
     started = time.time()
+    start_private_ray(cfg)  # without --address: it starts while the request is checked
     with Signals() as signals:  # from here on, a SIGTERM is ours: remembered, then forwarded
-        plan = preflight.plan(cfg, trains=False)
+        plan = preflight.plan(cfg, trains=False, stop_check=signals.stop_before_start, say=say)
         placement = shipping.place(target.file, target.root)
         where = Path.cwd() if placement.shared else f"their copy of {target.root}"
         say(f"ranks run in {where} ({placement.describe()})")
@@ -184,7 +204,7 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
         printer.close()
     outcome = ray.get(hub.outcome.remote())
     write_summary(plan, target, outcome, started, clock, watch.stalls)
-    return judge(outcome, error, signals.received)
+    return judge(outcome, error, signals.received, told=outcome.attempts in printer.told)
 
 
 def forward(hub: Any, grace_s: float, name: str, before: list[str]) -> None:
@@ -194,7 +214,10 @@ def forward(hub: Any, grace_s: float, name: str, before: list[str]) -> None:
     waits until the hub has it, so no request is lost."""
     import ray
 
-    if not before:
+    if not before and not ray.get(hub.any_script.remote()):  # the ranks are still starting: no script to signal
+        say(f"got {name} before any rank's script started: stopping the ranks' start-up")
+        ray.get(hub.request_stop.remote(name))
+    elif not before:
         sent = "SIGINT" if name == "SIGINT" else "SIGTERM"
         say(f"got {name}: sending {sent} to every rank's script; SIGKILL to any still running after "
             f"{grace_s:g} s (--stop-grace-s)" + ("; Ctrl-C again to kill them now" if name == "SIGINT" else ""))
@@ -204,10 +227,14 @@ def forward(hub: Any, grace_s: float, name: str, before: list[str]) -> None:
         ray.get(hub.request_stop.remote(before[0], kill=True))
 
 
-def judge(outcome: LaunchOutcome, error: BaseException | None, received: list[str]) -> int:
-    """The exit status and the line that explains it: torchrun's, 75 after a stop, 130 after Ctrl-C."""
+def judge(outcome: LaunchOutcome, error: BaseException | None, received: list[str], told: bool = False) -> int:
+    """The exit status and the line that explains it: torchrun's, 75 after a stop, 130 after Ctrl-C.
+    `told`: the Printer already showed the last attempt's root cause, knock-ons and teardown aborts."""
     exits = outcome.exits
     first = outcome.failed_first
+    if received and not any(e.ran for e in exits.values()):  # signalled while the ranks were starting
+        say(f"stopped by {received[0]} before any rank's script started; nothing was running, nothing lost")
+        return EXIT_INTERRUPTED if received[0] == "SIGINT" else EXIT_STOPPED
     if received:
         name = received[0]
         codes = {rank: e.code for rank, e in sorted(exits.items())}
@@ -226,21 +253,48 @@ def judge(outcome: LaunchOutcome, error: BaseException | None, received: list[st
             return exit_status(code)
     if first is not None:
         failed = exits[first]
-        root_cause(failed)
+        if not told:
+            tell_end(exits, first, outcome.excused)
         say(f"error: rank {first} on {failed.hostname} ({failed.ip}) {failed.describe()}")
         return exit_status(failed.code) or EXIT_FAILED
     if error is not None:
         raise error  # not the script: Ray itself failed (a lost node, no resources); cli says it in one line
+    if not told:
+        tell_end(exits, None, outcome.excused)
     return 0
 
 
 def root_cause(failed: RankExit) -> None:
-    """The traceback the script's torch `@record` left in its TORCHELASTIC_ERROR_FILE, as torchrun's
-    summary shows it."""
+    """The failing rank's traceback, as torchrun's summary shows it: the one its torch `@record` left
+    in its TORCHELASTIC_ERROR_FILE, else the last one it printed."""
     error = failed.error
     if error and error.traceback:
         say(f"root cause: rank {failed.rank} on {failed.hostname} raised {error.message}")
         print(error.traceback.rstrip("\n"), file=sys.stderr, flush=True)
+
+
+def tell_end(exits: dict[int, RankExit], first: int | None, excused: list[int]) -> None:
+    """How an attempt's ranks ended, beyond its exit status: the root cause's traceback, then each
+    rank that failed after it in one line (a knock-on: a peer gone from its collective), and each
+    teardown abort that fails nothing."""
+    if first is not None:
+        root_cause(exits[first])
+        after = sorted((e.ended_at, r) for r, e in exits.items() if r != first and e.code != 0 and e.ran)
+        for _, rank in after[:MOST_KNOCK_ONS]:
+            end = exits[rank]
+            said = end.error.message if end.error and end.error.message else end.last_line
+            said = said if len(said) <= QUOTE_CHARS else said[:QUOTE_CHARS] + " ..."
+            why = f"stopped because rank {first} failed" if end.aborted else f"a knock-on of rank {first}'s failure"
+            say(f"rank {rank} exited with {describe_exit(end.code)} {end.ended_at - exits[first].ended_at:.1f} s "
+                f"later, {why}" + (f": {said}" if said else ""))
+        if len(after) > MOST_KNOCK_ONS:
+            say(f"{len(after) - MOST_KNOCK_ONS} more ranks failed after rank {first}; every rank's output is in logs/")
+    for rank in excused:
+        end = exits[rank]
+        say(f"rank {rank} on {end.hostname} ended with signal SIGABRT after its script's last line "
+            f"({TEARDOWN_ABORT!r}) while every other rank exited 0: that looks like torch's interpreter "
+            "teardown, not a training failure, so it fails nothing; dist.destroy_process_group() at the "
+            "script's end usually avoids it")
 
 
 def write_summary(plan: RunPlan, target: Target, outcome: LaunchOutcome, started: float, clock: StartupClock,
@@ -270,11 +324,21 @@ class Printer:
     """The ranks' lines, fetched by the driver's main loop while fit() runs: every line to
     logs/rank-N.log, the shown ranks' lines to this terminal (stdout or stderr, as the script wrote
     them), marked `[rankN]:` as torchrun's --tee marks them; and, when the first script starts, the
-    start-up stages."""
+    start-up stages.
+
+    A shown rank's traceback waits (HOLD_S) for how the attempt ended: the rank that failed first
+    gets it shown as the root cause, a rank that failed after it one line, as a knock-on."""
 
     def __init__(self, hub: Any, log_dir: Path, shown: set[int], clock: StartupClock):
         self.hub, self.log_dir, self.shown, self.clock = hub, log_dir, shown, clock
         self.files: dict[int, TextIO] = {}
+        self.held: dict[int, list[OutputLine]] = {}
+        """A shown rank's stderr lines from its last traceback on, by rank."""
+        self.held_since: dict[int, float] = {}
+        self.told: set[int] = set()
+        """The attempts whose end (root cause, knock-ons) was said."""
+        # A terminal redraws a `\r` update in place; a file (a Slurm .out) would keep every one.
+        self.tty = {"stdout": sys.stdout.isatty(), "stderr": sys.stderr.isatty()}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def log(self, rank: int) -> TextIO:
@@ -291,20 +355,53 @@ class Printer:
                     say(line)
             elif isinstance(event, AttemptStarted):
                 self.new_attempt(event)
+            elif isinstance(event, AttemptEnded):
+                self.attempt_ended(event)
             else:
                 self.log(event.rank).write(event.text + "\n")
-                if event.rank in self.shown:
-                    print(mark(event.rank, event.text), file=sys.stdout if event.stream == "stdout" else sys.stderr, flush=True)
+                if event.rank in self.held and event.stream == "stderr":  # its traceback goes on
+                    self.held[event.rank].append(event)
+                elif event.rank in self.shown and event.stream == "stderr" and unmark(event.text) == TRACEBACK:
+                    self.held[event.rank], self.held_since[event.rank] = [event], time.monotonic()
+                elif event.rank in self.shown:
+                    self.show(event)
+        for rank in [r for r, since in self.held_since.items() if time.monotonic() - since > HOLD_S]:
+            self.release(rank)
+
+    def show(self, line: OutputLine) -> None:
+        text = line.text if self.tty[line.stream] else settled(line.text)
+        print(mark(line.rank, text), file=sys.stdout if line.stream == "stdout" else sys.stderr, flush=True)
+
+    def release(self, rank: int, drop: bool = False) -> None:
+        """A held traceback: to the terminal as it was, or dropped where the attempt's end says it."""
+        lines = self.held.pop(rank, [])
+        self.held_since.pop(rank, None)
+        for line in [] if drop else lines:
+            self.show(line)
+
+    def attempt_ended(self, ended: AttemptEnded) -> None:
+        """Every rank of an attempt exited: its root cause and knock-ons, in place of their tracebacks."""
+        first = None if ended.signalled else ended.failed_first
+        for rank in list(self.held):
+            end = ended.exits.get(rank)
+            said = end is not None and end.code != 0 and (rank != first or bool(end.error and end.error.traceback))
+            self.release(rank, drop=first is not None and said)
+        if not ended.signalled:
+            tell_end(ended.exits, first, ended.excused)
+            self.told.add(ended.number)
 
     def new_attempt(self, attempt: AttemptStarted) -> None:
         """A new worker group: marked in every log; on the terminal, why the last one ended."""
+        for rank in list(self.held):
+            self.release(rank)
         for f in self.files.values():
             f.write(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
         if attempt.number == 1:
             return
         failed = attempt.previous
         if failed is not None:  # a script failed first: that is the cause, whatever came after
-            root_cause(failed)
+            if attempt.number - 1 not in self.told:
+                root_cause(failed)
             say(f"attempt {attempt.number - 1}: rank {failed.rank} on {failed.hostname} {failed.describe()}")
         elif attempt.resized:
             say(f"attempt {attempt.number - 1}: every rank got SIGTERM because {attempt.resized}")
@@ -313,12 +410,7 @@ class Printer:
 
     def close(self) -> None:
         self.drain()  # the last lines may have landed after the previous poll
+        for rank in list(self.held):
+            self.release(rank)
         for f in self.files.values():
             f.close()
-
-
-def mark(rank: int, text: str) -> str:
-    """`[rankN]: ` before each line and each in-place update (`\r`) of it, as torchrun's --tee does;
-    not twice where torch itself already put it (its C++ warnings carry `[rankN]:`)."""
-    prefix = f"[rank{rank}]:"
-    return "\r".join(part if part.startswith(prefix) else f"{prefix} {part}" for part in text.split("\r"))

@@ -30,7 +30,7 @@ import ray.train.collective
 
 from raytrain_ddp.launch_records import RankExit, ScriptError, describe_exit
 from raytrain_ddp.net import free_port
-from raytrain_ddp.worker.supervisor import Child, read_error_file
+from raytrain_ddp.worker.supervisor import Child
 
 POLL_S = 0.2
 """How often an agent sends its child's output on."""
@@ -111,12 +111,14 @@ def whereabouts(ctx: Any, rank: int) -> dict[str, Any]:
 
 
 def report_exit(hub: Any, key: str, rank: int, code: int, ended_at: float, aborted: bool,
-                last_line: str = "", error: ScriptError | None = None) -> None:
-    """Tell the hub how this rank's script ended; code 0 for one stopped before it started."""
-    ray.get(hub.exited.remote(key, RankExit(
+                last_line: str = "", error: ScriptError | None = None, ran: bool = True) -> RankExit:
+    """Tell the hub how this rank's script ended; code 0 and not `ran` for one stopped before it started."""
+    end = RankExit(
         rank=rank, code=code, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(),
-        last_line=last_line, error=error, ended_at=ended_at, aborted=aborted,
-    )))
+        last_line=last_line, error=error, ended_at=ended_at, aborted=aborted, ran=ran,
+    )
+    ray.get(hub.exited.remote(key, end))
+    return end
 
 
 def listen(hub: Any, key: str, child: Child) -> None:
@@ -147,7 +149,7 @@ def run_script(loop_config: dict[str, Any]) -> None:
     marks["rendezvous"] = time.time()
     stopped_early = ray.get(hub.wait_abort.remote(key, 0))
     if stopped_early is not None:  # stopped before it started: nothing to signal, nothing lost
-        report_exit(hub, key, rank, 0, time.time(), aborted=stopped_early.cause == "peer")
+        report_exit(hub, key, rank, 0, time.time(), aborted=stopped_early.cause == "peer", ran=False)
         return
 
     # [2] The script, as torchrun's child, with a fresh error file for torch's @record.
@@ -170,10 +172,12 @@ def run_script(loop_config: dict[str, Any]) -> None:
     # [4] Report. A failure of our own raises, so Ray Train restarts the group (--max-failures).
     reason = child.stopper.reason
     aborted = reason is not None and reason.cause != "signal"
-    error = read_error_file(error_file)
+    error = child.error(error_file) if code != 0 else None
     shutil.rmtree(error_dir, ignore_errors=True)
-    report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
-    if code != 0 and reason is None:
+    end = report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
+    # A teardown abort waits for its peers' exits: if they all exit 0, it fails nothing (hub.py's
+    # Attempt.excused), and raising now would have Ray Train stop them mid-teardown and rerun the script.
+    if code != 0 and reason is None and not (end.teardown_abort and ray.get(hub.excused.remote(key, rank))):
         raise RuntimeError(f"rank {rank} exited with {describe_exit(code)}")
     if aborted:  # Ray Train restarts the group, at the new size if a node went
         raise RuntimeError(f"rank {rank} stopped because {reason.why}")

@@ -17,9 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from raytrain_ddp.launch_output import last_traceback, settled, unmark
 from raytrain_ddp.launch_records import ScriptError, StopReason
 
 PEER_FAILED_GRACE_S = 10.0
@@ -29,6 +31,8 @@ SIG_SETMASK = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl, _signal, _sigmask = _libc.prctl, _libc.signal, _libc.pthread_sigmask  # loaded before any fork: see _as_torchrun_child
 _EMPTY_SIGSET = ctypes.create_string_buffer(128)  # a sigset_t with no signal in it
+TAIL_LINES = 400
+"""The last lines of its stderr kept, for the traceback of a script that raised without `@record`."""
 
 
 def _as_torchrun_child() -> None:
@@ -108,16 +112,20 @@ class Stopper:
             pass
 
 
-def pump(stream: Any, name: str, pending: list[tuple[str, str]], last: dict[str, str], lock: threading.Lock) -> None:
+def pump(stream: Any, name: str, pending: list[tuple[str, str]], last: dict[str, str], lock: threading.Lock,
+         tail: deque[str] | None = None) -> None:
     """The child's lines, split on newlines only: a `\\r` progress update stays inside its line, as a
-    terminal would keep it on one line, not one line per update."""
+    terminal would keep it on one line, not one line per update. `last` keeps the last one shown,
+    without torch's rank mark; `tail`, if given, the last lines."""
     for line in io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline="\n"):
         line = line.rstrip("\n").removesuffix("\r")
         with lock:
             pending.append((name, line))
-            shown = line.rsplit("\r", 1)[-1].strip()
+            shown = unmark(settled(line)).strip()
             if shown:
                 last[name] = shown
+            if tail is not None:
+                tail.append(line)
 
 
 class Child:
@@ -128,12 +136,15 @@ class Child:
         self.stopper = Stopper(self.proc, grace_s)
         self.pending: list[tuple[str, str]] = []
         self.last = {"stdout": "", "stderr": ""}
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        """The last lines of its stderr."""
         self.lock = threading.Lock()
         self.ended = threading.Event()
         self.ended_at = 0.0
         """When it ended, exactly: the driver names the rank that failed first by this."""
-        self.pumps = [threading.Thread(target=pump, args=(stream, name, self.pending, self.last, self.lock), daemon=True)
-                      for stream, name in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
+        streams = ((self.proc.stdout, "stdout", None), (self.proc.stderr, "stderr", self.tail))
+        self.pumps = [threading.Thread(target=pump, args=(stream, name, self.pending, self.last, self.lock, tail),
+                                       daemon=True) for stream, name, tail in streams]
         for t in [*self.pumps, threading.Thread(target=self._wait, daemon=True)]:
             t.start()
 
@@ -168,3 +179,8 @@ class Child:
     def last_line(self) -> str:
         """Its last non-blank line, stderr's before stdout's."""
         return self.last["stderr"] or self.last["stdout"]
+
+    def error(self, error_file: str) -> ScriptError | None:
+        """Why it failed: what torch's `@record` wrote, else the last traceback it printed."""
+        with self.lock:
+            return read_error_file(error_file) or last_traceback(list(self.tail))

@@ -90,7 +90,8 @@ def main():
             tmp = args.snapshot + ".tmp"
             torch.save({"model": model.state_dict(), "epoch": epoch}, tmp)
             os.replace(tmp, args.snapshot)  # the tutorial's _save_snapshot, made atomic
-        print(f"epoch {epoch} world size {world_size} loss {loss.item():.4f}\r(saved)", flush=True)
+        said = f"epoch {epoch} world size {world_size} loss {loss.item():.4f}"
+        print(f"{said}\r{said} (saved)", flush=True)  # an in-place update, as a progress bar's
         if flag.item():
             break
         time.sleep(args.epoch_s)
