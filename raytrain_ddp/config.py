@@ -326,6 +326,8 @@ def _check_types(cfg: TrainConfig) -> None:
             raise ConfigError(f"{_flag(f.name)} must be {wanted} (got {value!r})")
         if float in kinds and type(value) is int:
             object.__setattr__(cfg, f.name, float(value))
+        if type(value) is float and not math.isfinite(value):  # nan passes (and fails) every comparison below
+            raise ConfigError(f"{_flag(f.name)} must be a finite number (got {value})")
 
 
 def _types_of(annotation: str) -> tuple[type, ...]:

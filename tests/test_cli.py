@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import HEAD_CPUS, TINY, raytrain
+import torch
+from conftest import HEAD_CPUS, REPO, TINY, raytrain
 from test_fast_start import actors_started, log_sizes
 from test_profiling import check_profiled_run
 
+from raytrain_ddp.checkpoint.files import STATE, latest_checkpoint
+from raytrain_ddp.cli import main
 from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
 from raytrain_ddp.driver.startup import RUN_STAGES, stages_line
 
@@ -131,6 +137,46 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments, tmp_path):
     assert_refused(proc, *fragments, within_s=60, started=started)
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["run", "--stall-timeout", "abc"], "--stall-timeout: 'abc' is not a number; see `raytrain run --help`"),
+        (["run", "--epochs", "1e9"], "--epochs: '1e9' is not a whole number; see `raytrain run --help`"),
+        (["run", "--epochs=1e9"], "--epochs: '1e9' is not a whole number; see `raytrain run --help`"),
+        (["run", "--wait-for-resources", "nan"], "--wait-for-resources must be a finite number (got nan)"),
+        (["run", "--weight-decay", "nan"], "--weight-decay must be a finite number (got nan)"),
+        (["run", "--lr", "inf"], "--lr must be a finite number (got inf)"),
+        (["run", "--foo"], "no such option: --foo; see `raytrain run --help`"),
+        (["run", "--epochs"], "option '--epochs' requires an argument; see `raytrain run --help`"),
+        (["run", "--gpu=3"], "option '--gpu' does not take a value; see `raytrain run --help`"),
+        (["launch", "--stop-grace-s", "nan", "x.py"], "--stop-grace-s: 'nan' is not a finite number; see `raytrain launch --help`"),
+        (["launch"], "SCRIPT.py|MODULE is missing; see `raytrain launch --help`"),
+        (["data", "convert"], "SRC is missing; see `raytrain data convert --help`"),
+        (["data", "convert", "a", "b", "--format", "x", "--shard-mib", "inf"],
+         "--shard-mib: 'inf' is not a finite number; see `raytrain data convert --help`"),
+        (["data", "convert", "a", "b"], "--format is missing; see `raytrain data convert --help`"),
+        (["check", "--iters", "3.5"], "--iters: '3.5' is not a whole number; see `raytrain check --help`"),
+        (["bench", "overhead", "--rounds", "x"], "--rounds: 'x' is not a whole number; see `raytrain bench overhead --help`"),
+        (["nope"], "no such command 'nope'; see `raytrain --help`"),
+    ],
+)
+def test_a_bad_flag_is_one_line_of_ours_not_typers_box(argv, line, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"error: {line}\n")
+
+
+def test_help_still_exits_0_and_a_bare_command_shows_it(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--help"])
+    assert exited.value.code == 0 and "--stall-timeout" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["data"])
+    assert exited.value.code == 2 and "convert" in capsys.readouterr().out
+
+
 def test_bad_config_file(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text('workers = 2\nbatchsize = 3\n')
@@ -180,3 +226,46 @@ def test_wrong_token_is_refused(ray_head, tmp_path):
     started = time.monotonic()
     proc = raytrain("run", "--storage-path", str(tmp_path), env=env, timeout=120)
     assert_refused(proc, "refused our auth token", "RAY_AUTH_TOKEN_PATH", within_s=60, started=started)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", [["run"], ["launch", str(REPO / "tests" / "scripts" / "rank_fails.py")]],
+                         ids=["run", "launch"])
+def test_sigterm_while_waiting_for_room_is_our_line_and_exit_75(ray_head, tmp_path, command):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_ddp", command[0], "--workers", "99", "--wait-for-resources", "60",
+         "--storage-path", str(tmp_path), "--name", "w", *command[1:]],
+        env=ray_head.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    seen = ""
+    while "waiting up to 60 s (--wait-for-resources)" not in seen:  # Ray is joined: its handlers are in
+        line = proc.stderr.readline()
+        assert line, seen + proc.communicate()[1]
+        seen += line
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, seen + err
+    assert err.strip().splitlines() == ["stopped: got SIGTERM before any rank started; nothing to stop"], err
+    assert "SIGTERM received" not in err and "logging.cc" not in err  # Ray's C++ handler: a stack, then abort
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_a_rank_cannot_load_fails_the_run_at_once_not_on_each_retry(ray_head, tmp_path):
+    args = ["run", *TINY, "--storage-path", str(tmp_path), "--name", "c"]
+    first = raytrain(*args, env=ray_head.env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    # A whole torch.save archive, so the driver's checks pass it; only the rank's load finds it wanting.
+    state_file = latest_checkpoint(tmp_path / "c") / STATE
+    state = torch.load(state_file, weights_only=False)
+    del state["scaler"]
+    torch.save(state, state_file)
+    started = time.monotonic()
+    again = raytrain(*args, "--epochs", "2", "--max-failures", "2", env=ray_head.env)
+    took = time.monotonic() - started
+    assert again.returncode == 2, again.stderr[-2000:]
+    last = again.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the checkpoint of run 'c' at ") and last.endswith(
+        "could not be restored (KeyError: 'scaler'); pass --no-resume or a new --name"), again.stderr[-2000:]
+    assert again.stderr.count("could not be restored") == 1 and "restarted:" not in again.stdout
+    assert "Traceback" not in again.stderr
+    print(f"refused after {took:.1f} s")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.config import ConfigError, TrainConfig, field_docs, load_file, resolve
+from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, field_docs, load_file, resolve
 
 
 def test_defaults_are_valid_and_round_trip():
@@ -30,7 +31,7 @@ def test_every_field_has_a_docstring():
         ({"batch_size": 0}, "--batch-size must be at least 1"),
         ({"optimizer": "adam"}, "--optimizer must be one of sgd, adamw"),
         ({"backend": "nccl"}, "--backend nccl needs --gpu"),
-        ({"lr": float("nan")}, "--lr must be a positive number"),
+        ({"lr": float("nan")}, "--lr must be a finite number"),
         ({"workers": "2"}, "--workers must be int"),
         ({"workers": True}, "--workers must be int"),
         ({"gpu": "yes"}, "--gpu must be bool"),
@@ -41,7 +42,7 @@ def test_every_field_has_a_docstring():
         ({"global_batch_size": 256, "grad_accum": 2}, "give --global-batch-size or --grad-accum, not both"),
         ({"clip_grad_norm": -1}, "--clip-grad-norm must be 0 or more"),
         ({"stop_grace_s": -1}, "--stop-grace-s must be 0 or more"),
-        ({"stop_grace_s": float("inf")}, "--stop-grace-s must be 0 or more"),
+        ({"stop_grace_s": float("inf")}, "--stop-grace-s must be a finite number"),
         ({"warmup_epochs": 4}, "--warmup-epochs 4.0 is longer than --epochs 3"),
         ({"label_smoothing": 1}, "--label-smoothing must be in"),
         ({"cpus_per_worker": 0}, "--cpus-per-worker must be at least 1"),
@@ -54,6 +55,17 @@ def test_every_field_has_a_docstring():
 def test_bad_values_name_the_flag(bad, fragment):
     with pytest.raises(ConfigError, match=fragment):
         TrainConfig.from_dict(bad)
+
+
+FLOAT_FIELDS = [name for name, kinds in FIELD_TYPES.items() if float in kinds]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_every_float_refuses_nan_and_inf(name, value):
+    # nan passes every `< 0` check (--wait-for-resources nan waited forever), and fails every `>= 0`
+    with pytest.raises(ConfigError, match=f"^--{name.replace('_', '-')} must be a finite number \\(got {value}\\)$"):
+        TrainConfig(**{name: value})
 
 
 def test_int_is_accepted_where_a_float_belongs():

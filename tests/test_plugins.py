@@ -63,12 +63,14 @@ def test_user_model_and_dataset_train_on_flat_vectors(ray_head, user_dir):
 
 @pytest.mark.e2e
 def test_skipped_layer_without_the_flag_names_the_flag(ray_head, user_dir):
-    proc = raytrain("run", *FLAT, *TINY, "--storage-path", str(user_dir / "runs"), "--name", "static",
-                    env=ray_head.env, cwd=user_dir)
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    """Bad input, not a failure: exit 2, and no retry under --max-failures (each would fail the same)."""
+    proc = raytrain("run", *FLAT, *TINY, "--max-failures", "2", "--storage-path", str(user_dir / "runs"),
+                    "--name", "static", env=ray_head.env, cwd=user_dir)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: training failed on rank"), proc.stderr[-3000:]
+    assert lines[-1].startswith("error: --model user_code:SkipsOnOdd has parameters"), proc.stderr[-3000:]
     assert "got no gradient" in lines[-1] and "--find-unused-parameters" in lines[-1]
+    assert proc.stderr.count("got no gradient") == 1
     assert "Traceback" not in proc.stderr
 
 

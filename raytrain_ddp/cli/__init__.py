@@ -9,6 +9,7 @@ they call. This package is the only one that imports typer.
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Any, Callable
 
 import typer
@@ -22,6 +23,7 @@ from raytrain_ddp.cli.bench import (
 )
 from raytrain_ddp.cli.commands import (
     check_command,
+    exit_at_once,
     export_command,
     launch_command,
     run_command,
@@ -32,8 +34,10 @@ from raytrain_ddp.cli.commands import (
 from raytrain_ddp.cli.data import convert_command
 from raytrain_ddp.cli.jobs import logs_command, status_command, stop_command, submit_command
 from raytrain_ddp.cli.options import takes_debug
+from raytrain_ddp.cli.usage_errors import USAGE_ERROR, usage_line
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.core import Stopped
+from raytrain_ddp.driver.core import RayLost, Stopped
+from raytrain_ddp.driver.session import stop_private_ray
 from raytrain_ddp.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -94,7 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in ours(argv)
     try:
-        app(args=argv, prog_name="raytrain")
+        # Not standalone: typer would print its parse errors in a framed box; they come here instead
+        code = app(args=argv, prog_name="raytrain", standalone_mode=False)
+    except USAGE_ERROR as err:
+        if line := usage_line(err, ours(argv)):
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     except ConfigError as err:
         if debug:
             raise
@@ -103,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     except Stopped as err:
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(EXIT_STOPPED)
+    except RayLost as err:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        stop_private_ray()  # wait until nothing of it is left
+        exit_at_once(EXIT_FAILED)  # Ray's shutdown at exit would wait on a cluster that is gone
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
@@ -111,3 +129,4 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {one_line(err)} (rerun with --debug for the traceback)", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code), or a command that returned

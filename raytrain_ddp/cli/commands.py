@@ -12,6 +12,7 @@ from typing import NoReturn, Optional
 import typer
 
 from raytrain_ddp.cli.options import train_options
+from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
@@ -19,7 +20,7 @@ from raytrain_ddp.driver.core import Stopped
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
 from raytrain_ddp.driver.stall import Stalled
-from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
+from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 
 
 @train_options
@@ -49,6 +50,9 @@ def run_command(
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
         exit_at_once(EXIT_FAILED)
+    except driver.RankConfigError as err:  # the ranks may be retrying under --max-failures: end now, they die with us
+        print(f"error: {err}", file=sys.stderr)
+        exit_at_once(EXIT_BAD_INPUT)
     final = summary["final"]
     print(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
@@ -83,7 +87,7 @@ def launch_command(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what each rank would run and Ray's configs; start nothing."),
     stop_grace_s: float = typer.Option(
-        STOP_GRACE_S, "--stop-grace-s", help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
+        STOP_GRACE_S, "--stop-grace-s", parser=finite_float, help="After a forwarded SIGINT or SIGTERM, seconds before a rank still running gets SIGKILL."
     ),
 ) -> None:
     """Run a torchrun-style script on N Ray workers: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set.

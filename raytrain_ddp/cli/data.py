@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.data.convert import FORMATS, convert
 
 
@@ -13,9 +14,9 @@ def convert_command(
     src: Path = typer.Argument(..., help="The dataset's directory, as --data-dir names it for `raytrain run`."),
     dst: Path = typer.Argument(..., help="Where the Parquet shards and manifest.json go."),
     fmt: str = typer.Option(..., "--format", help=f"Source format: {', '.join(FORMATS)}."),
-    val_fraction: float = typer.Option(0.1, help="Share held out for val when the source has no val split."),
-    shard_mib: float = typer.Option(64.0, help="Target size of one Parquet file, MiB."),
-    group_mib: float = typer.Option(4.0, help="Target size of one row group (the unit a reader holds), MiB."),
+    val_fraction: float = typer.Option(0.1, parser=finite_float, help="Share held out for val when the source has no val split."),
+    shard_mib: float = typer.Option(64.0, parser=finite_float, help="Target size of one Parquet file, MiB."),
+    group_mib: float = typer.Option(4.0, parser=finite_float, help="Target size of one row group (the unit a reader holds), MiB."),
     seed: int = typer.Option(0, help="Seed of the one-off row shuffle."),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Leave out unreadable images (and count them)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace shards already in DST."),

@@ -18,10 +18,16 @@ from typing import Any, Callable
 
 from raytrain_ddp import plugins, ray_compat
 from raytrain_ddp.checkpoint.compat import check_resume
-from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
+from raytrain_ddp.checkpoint.files import ResumeChoice, read_info, resume_choice, set_aside
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver import resources, session, tracking
+from raytrain_ddp.driver import resources, run_lock, session, tracking
 from raytrain_ddp.driver.resources import size
+from raytrain_ddp.ray_compat.snapshot import snapshot_ray_version
+
+
+def stderr_line(line: str) -> None:
+    """How `run` says its own lines: on stderr, so a redirected stdout keeps the results."""
+    print(line, file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class RunPlan:
     where the command trains no model of ours (launch), or before the cluster is known."""
     marks: dict[str, float] = field(default_factory=dict)
     """When each of the driver's start-up stages ended (startup.py), as time.time()."""
+    resume: ResumeChoice | None = None
+    """The checkpoint a resume starts from (the newest whole one), and what was skipped; None under
+    --no-resume or for a command that trains no model of ours."""
 
     @property
     def world(self) -> str:
@@ -62,25 +71,41 @@ class RunPlan:
         return self.cfg.max_workers or self.cfg.workers
 
 
-def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bool = True) -> RunPlan:
-    """Check the request, connect to Ray, and fit it to the cluster (--wait-for-resources waits
-    that long for room first). `trains`: the command trains our loop (run), not a script of the
-    user's (launch), so the model, data, trackers and resume are checked too."""
+def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bool = True,
+         stop_check: Callable[[], None] = lambda: None, say: Callable[[str], None] = stderr_line) -> RunPlan:
+    """Check the request, take its run directory (run_lock.py), connect to Ray, and fit it to the
+    cluster (--wait-for-resources waits that long for room first). `trains`: the command trains our
+    loop (run), not a script of the user's (launch), so the model, data, trackers and resume are
+    checked too. `stop_check`: called once Ray is joined and every second of the wait; it puts the
+    command's signal handlers back (ray.init replaces SIGTERM's) and raises for a stop that came.
+    `say`: how the command prints its own lines (launch prefixes them, beside the script's)."""
     checked = check_request(cfg, model, dataset, trains=trains)
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
-        print(without, file=sys.stderr)  # a launched script has no drain notices of ours
+        say(without)  # a launched script has no drain notices of ours
+    run_lock.take(checked.run_dir)  # before anything is moved or started: a live driver's name is refused
+    try:
+        return fit_to_cluster(checked, trains, stop_check, say)
+    except BaseException:
+        run_lock.release(checked.run_dir)  # the Python API's caller may try again
+        raise
+
+
+def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None], say: Callable[[str], None]) -> RunPlan:
+    """The plan's part that changes things: a fresh start's move aside, Ray joined, room found, the layout."""
     if trains and not checked.cfg.resume:
         start_fresh(checked.run_dir)
     check_writable(checked.run_dir)
+    take_checkpoint(checked)
     marks = {"checks": time.time()}
     session.connect(checked.cfg)
     marks["connect"] = time.time()
-    nodes, free_cpus = wait_for_room(checked.cfg)
-    cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus))
+    stop_check()
+    nodes, free_cpus = wait_for_room(checked.cfg, stop_check, say)
+    cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus, say))
     state_mib = model_state(cfg, checked.model, nodes) if trains else None
     marks["placement"] = time.time()
     return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model, checked.code,
-                   checked.accum_steps, state_mib, marks)
+                   checked.accum_steps, state_mib, marks, checked.resume)
 
 
 def check_request(
@@ -98,12 +123,12 @@ def check_request(
     cfg, given = user_parts(cfg, model, dataset)
     tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
-    meta, lines = check_parts(cfg, run_dir, given, dry)
+    meta, lines, choice = check_parts(cfg, run_dir, given, dry)
     for line in lines:
         print(line, file=sys.stderr)
     # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
     code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
-    return RunPlan(cfg, run_dir, given, tuple(lines), meta, code, cfg.accum_steps(cfg.workers))
+    return RunPlan(cfg, run_dir, given, tuple(lines), meta, code, cfg.accum_steps(cfg.workers), resume=choice)
 
 
 def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
@@ -114,23 +139,40 @@ def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig,
     return cfg, {k: v for k, v in (("model", model_fn), ("dataset", data_fn)) if v is not None}
 
 
-def check_parts(cfg: TrainConfig, run_dir: Path, given: dict[str, Callable[..., Any]], dry: bool) -> tuple[Any, list[str]]:
+def check_parts(
+    cfg: TrainConfig, run_dir: Path, given: dict[str, Callable[..., Any]], dry: bool,
+) -> tuple[Any, list[str], ResumeChoice | None]:
     """--model, built once on the meta device, which proves that it imports and returns an
     nn.Module, with the channels of the checkpoint it resumes from, else of --dataset; --dataset and
     its files (unless the Python API gave a callable: the user's to check); and the resume's lines,
-    its checkpoint's config and shapes checked against this request (checkpoint/compat.py)."""
+    its checkpoint's config and shapes checked against this request (checkpoint/compat.py); and
+    which checkpoint it resumes from, the newest whole one (checkpoint/files.py)."""
     # torch (the model on meta, the datasets' registry) only here: every command imports this module
     from raytrain_ddp.data.registry import dataset_channels, validate
     from raytrain_ddp.worker.models import build_on_meta
 
-    checkpoint_dir = latest_checkpoint(run_dir) if cfg.resume else None
+    choice = resume_choice(run_dir, snapshot_ray_version()) if cfg.resume else None
+    checkpoint_dir = choice.checkpoint if choice is not None else None
     saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
     model = build_on_meta(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3)
     if dry and cfg.download and "dataset" not in given:
         print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
     elif "dataset" not in given:
         validate(cfg)
-    return model, check_resume(cfg, checkpoint_dir, saved, model)
+    lines = check_resume(cfg, checkpoint_dir, saved, model)
+    said = choice.line(None) if dry and choice is not None else None  # a real run says it once it moved the snapshot
+    return model, [said, *lines] if said else lines, choice
+
+
+def take_checkpoint(checked: RunPlan) -> None:
+    """The resume's choice made good, under the run's lock: Ray's run snapshot moved aside (kept)
+    where it cannot serve it, so Ray starts a new one and the ranks load ours; and said in one line."""
+    choice = checked.resume
+    if choice is None:
+        return
+    moved = set_aside(checked.run_dir).name if choice.snapshot_problem else None
+    if line := choice.line(moved):
+        print(line, file=sys.stderr)
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
@@ -143,10 +185,12 @@ def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
 
 
 def start_fresh(run_dir: Path) -> None:
-    """--no-resume: move an old run aside rather than delete it, so nothing is lost."""
-    if run_dir.exists() and any(run_dir.iterdir()):
+    """--no-resume: move an old run aside rather than delete it, so nothing is lost. Its lock is
+    ours (plan took it), so no live driver's run is moved; the lock goes with it, so take the new one."""
+    if run_dir.exists() and any(path.name != run_lock.LOCK for path in run_dir.iterdir()):
         aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)
+        run_lock.take(run_dir)
         print(f"--no-resume: moved the previous run to {aside}")
 
 
@@ -162,10 +206,12 @@ def check_writable(run_dir: Path) -> None:
         ) from None
 
 
-def wait_for_room(cfg: TrainConfig) -> tuple[list[dict], list[int]]:
+def wait_for_room(
+    cfg: TrainConfig, stop_check: Callable[[], None] = lambda: None, say: Callable[[str], None] = stderr_line,
+) -> tuple[list[dict], list[int]]:
     """Fail in seconds, naming what is missing or held, instead of letting Ray Train wait forever for
-    resources (--wait-for-resources waits that long first). Returns the live nodes' resources and
-    the CPUs free on each."""
+    resources (--wait-for-resources waits that long first; `stop_check` ends the wait on a signal).
+    Returns the live nodes' resources and the CPUs free on each."""
     deadline = time.monotonic() + cfg.wait_for_resources
     cpus = cfg.cpus_per_worker or 1
     said = False
@@ -183,17 +229,17 @@ def wait_for_room(cfg: TrainConfig) -> tuple[list[dict], list[int]]:
         if time.monotonic() >= deadline:
             raise ConfigError(problem)
         if not said:
-            print(f"waiting up to {cfg.wait_for_resources:g} s (--wait-for-resources): {problem.rsplit('; ', 1)[0]}",
-                  file=sys.stderr)
+            say(f"waiting up to {cfg.wait_for_resources:g} s (--wait-for-resources): {problem.rsplit('; ', 1)[0]}")
             said = True
         time.sleep(1.0)
+        stop_check()
     # The layout takes what is free: CPUs another job holds would leave a worker waiting for them.
     if use[0]["id"] == "":
         return nodes, [int(n.get("CPU", 0)) for n in nodes]
     return nodes, [int(n["free"].get("CPU", 0)) for n in use]
 
 
-def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int]) -> dict[str, Any]:
+def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int], say: Callable[[str], None] = stderr_line) -> dict[str, Any]:
     """--cpus-per-worker and --placement, as given or chosen from the free CPUs (resources.choose_layout),
     said in one line when chosen; refuse --loader ray where its decode tasks would get no CPU."""
     chosen = resources.choose_layout(cfg, free_cpus)
@@ -206,11 +252,10 @@ def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int]) -> dict[st
         )
     if (cfg.cpus_per_worker, cfg.placement) != chosen:
         cpus = chosen.cpus_per_worker
-        print(
+        say(
             f"layout: {cfg.max_workers or cfg.workers} workers x {cpus} CPU{'s' if cpus > 1 else ''} "
             f"(threads), {chosen.placement} over {len(nodes)} node{'s' if len(nodes) > 1 else ''} of "
-            f"{'+'.join(map(str, sorted(free_cpus, reverse=True)))}{free} CPUs; --cpus-per-worker and --placement override",
-            file=sys.stderr,
+            f"{'+'.join(map(str, sorted(free_cpus, reverse=True)))}{free} CPUs; --cpus-per-worker and --placement override"
         )
     return chosen._asdict()
 

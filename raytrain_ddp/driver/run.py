@@ -15,13 +15,13 @@ from typing import Any
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
-from raytrain_ddp.driver import preflight, tracking
-from raytrain_ddp.driver.core import Interrupted, Signals, StartupClock, Stopped, drive, write_summary
+from raytrain_ddp.driver import preflight, run_lock, tracking
+from raytrain_ddp.driver.core import Interrupted, RayLost, Signals, StartupClock, Stopped, drive, write_summary
 from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.progress import Display
 from raytrain_ddp.driver.resources import choose_layout
-from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, trainer_configs
+from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.stack import write_workers
 from raytrain_ddp.driver.stall import StallWatch
@@ -31,6 +31,11 @@ from raytrain_ddp.driver.startup import RUN_STAGES
 POLL_S = 0.5
 """How often the driver asks rank 0's sink for news and passes on a signal it got."""
 RESUME_HINT = "run the same command again (same --storage-path and --name {name}) to resume"
+
+
+class RankConfigError(ConfigError):
+    """A ConfigError a rank raised (a checkpoint that does not load), told through the sink: a retry
+    under --max-failures would raise it again, so the run ends at once."""
 
 
 def dry_run(cfg: TrainConfig) -> None:
@@ -54,14 +59,16 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
     checkpoints, then raises Stopped."""
     started = time.time()
+    start_private_ray(cfg)  # without --address: it starts while the request is checked
     with Signals() as signals:
-        plan = preflight.plan(cfg, model, dataset)
-        code_paths, code_env = user_code(plan.code)
-        ship_code(plan.cfg, code_env)
-        signals.install()  # again: ray.init put its own SIGTERM handler in
-        if signals.received:  # before any rank started: nothing to stop, nothing lost
-            raise Stopped(f"got {signals.first} before any rank started; nothing to stop")
-        return train(plan, signals, code_paths, started, launched)
+        plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start)
+        try:
+            code_paths, code_env = user_code(plan.code)
+            ship_code(plan.cfg, code_env)
+            signals.stop_before_start()
+            return train(plan, signals, code_paths, started, launched)
+        finally:
+            run_lock.release(plan.run_dir)  # the Python API's process lives on: another driver may have the name
 
 
 def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None) -> dict[str, Any]:
@@ -80,7 +87,8 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
     trainer = fast(TorchTrainer)(
         train_entry,
-        train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": plan.given, "code_paths": code_paths},
+        train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": plan.given, "code_paths": code_paths,
+                           "resume_from": resume_from(plan)},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=torch_config,
@@ -93,6 +101,8 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     try:
         try:
             error = drive(trainer, signals, news.poll, functools.partial(ask_to_stop, news, display, plan), POLL_S)
+        except RayLost as lost:
+            raise RayLost(lost.what, kept(plan.run_dir, cfg.name)) from None
         finally:
             display.close()
         if error is not None:
@@ -101,6 +111,14 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     finally:
         trackers.finish(plan.run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
     return summary
+
+
+def resume_from(plan: RunPlan) -> str | None:
+    """The checkpoint the ranks load while Ray has registered none in this run: the preflight's
+    choice, the newest whole one (Ray's own latest wins once there is one). Ray Train V2 refuses
+    TorchTrainer(resume_from_checkpoint=...), so the path goes in the loop's config."""
+    checkpoint = plan.resume.checkpoint if plan.resume is not None else None
+    return str(checkpoint) if checkpoint is not None else None
 
 
 def announce(plan: RunPlan, display: Display) -> None:
@@ -241,6 +259,8 @@ class RunNews:
         if self.stalled is not None:  # the core's last poll, after the stall ended the watch
             raise self.stalled
         info, step, rows = ray.get(self.sink.poll.remote())
+        if info.get("config_error"):  # a rank's, which every retry would raise again
+            raise RankConfigError(info["config_error"])
         if rows != self.rows:
             self.new_rows(rows)
         if info.get("ranks") and info.get("ranks") != self.info.get("ranks"):

@@ -15,6 +15,7 @@ from typing import Any
 
 from raytrain_ddp.config import STRATEGIES, ConfigError, TrainConfig
 from raytrain_ddp.driver import run as driver
+from raytrain_ddp.driver import run_lock
 from raytrain_ddp.driver.metrics import read_csv, write_atomic
 from raytrain_ddp.driver.preflight import resolve_run
 
@@ -143,6 +144,7 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
         raise ConfigError(f"--sharding {sharding} is for the fsdp runs; add fsdp to --strategy (e.g. ddp,fsdp)")
     dataclasses.replace(cfg, strategy="fsdp", sharding=sharding or cfg.sharding)  # a bad --sharding fails now, not after some runs
     cfg, study_dir = resolve_run(cfg)
+    run_lock.take(study_dir)  # two studies on one --name would write one table over the other's
     runs = {}
     for n in sizes:
         for strategy in strategies:

@@ -123,6 +123,11 @@ class Sink:
         """A rank's --profile line (profiling.py), for the driver to show."""
         self.run.setdefault("profiles", {})[rank] = line
 
+    def config_error(self, message: str) -> None:
+        """A rank raised a ConfigError: the driver's next poll ends the run (run.RankConfigError). Every
+        rank may say it; the first is kept."""
+        self.run.setdefault("config_error", message)
+
     def stopped(self, epoch: int, step: int) -> None:
         self.run["stopped_at"] = [epoch, step]
 

@@ -10,8 +10,6 @@ import sys
 import time
 from typing import Any
 
-from raytrain_ddp.config import ConfigError
-
 
 def train_entry(loop_config: dict[str, Any]) -> None:
     """What TorchTrainer ships to the workers: a reference to this light module, so the driver never
@@ -20,14 +18,4 @@ def train_entry(loop_config: dict[str, Any]) -> None:
     sys.path[:0] = [p for p in loop_config["code_paths"] if p not in sys.path]  # the user's modules
     from raytrain_ddp.worker.loop import train_loop
 
-    try:
-        train_loop(loop_config, entered)
-    except RuntimeError as err:
-        if "find_unused_parameters" not in str(err):
-            raise
-        # DDP's own message is a page long and names its Python argument, not our flag.
-        name = loop_config["config"]["model"]
-        raise ConfigError(
-            f"--model {name} has parameters that got no gradient on a step (a layer its forward "
-            "skipped), which DDP cannot all-reduce; pass --find-unused-parameters"
-        ) from None
+    train_loop(loop_config, entered)

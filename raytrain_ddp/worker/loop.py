@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ddp.checkpoint.checkpointer import Checkpointer
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.batches import Loaders
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
@@ -73,6 +73,29 @@ class Setup:
 
 
 def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> None:
+    """One rank's training (train_rank); a ConfigError it raises is told to the driver first."""
+    try:
+        train_rank(loop_config, entered)
+    except (ConfigError, RuntimeError) as err:
+        error = err if isinstance(err, ConfigError) else unused_parameters(err, loop_config["config"]["model"])
+        if error is None:
+            raise
+        # The same on every retry: the driver ends the run at once, where Ray Train would retry it.
+        ray.get(loop_config["sink"].config_error.remote(str(error)))
+        raise error from None
+
+
+def unused_parameters(err: RuntimeError, model: str) -> ConfigError | None:
+    """DDP's page-long error for a parameter that got no gradient, as our flag's line; None for any other."""
+    if "find_unused_parameters" not in str(err):
+        return None
+    return ConfigError(
+        f"--model {model} has parameters that got no gradient on a step (a layer its forward "
+        "skipped), which DDP cannot all-reduce; pass --find-unused-parameters"
+    )
+
+
+def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> None:
     # Start-up stages (startup.py), stitched by the driver: wall-clock, since they cross processes.
     marks = {"workers": entered or time.time(), "imports": time.time()}
     cfg = TrainConfig.from_dict(loop_config["config"])
@@ -107,7 +130,8 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
     # [4] Resume from the latest checkpoint: a restarted worker group (of any size), or a rerun of
     # the same --name. Positions are global, so the samples already trained are never trained again.
     state = TrainState.fresh(cfg, loaders.train_size, world_size, device)
-    checkpointer = Checkpointer(cfg, rank, loaders.in_channels, model, optimizer, scaler)
+    checkpointer = Checkpointer(cfg, rank, loaders.in_channels, model, optimizer, scaler,
+                                loop_config.get("resume_from"))
     resumed = checkpointer.restore(state)
     marks["model"] = time.time()
     if rank == 0:

@@ -1,0 +1,137 @@
+"""One driver per run directory (driver/run_lock.py): a second driver on a live run's --name is
+refused in one line that names the first, and the lock of a driver killed with SIGKILL is gone with
+it, so the rerun starts and resumes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import raytrain, wait_for
+
+from raytrain_ddp.checkpoint.files import latest_checkpoint
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.driver import run_lock
+
+HOLD = """\
+import sys, time
+from pathlib import Path
+from raytrain_ddp.driver import run_lock
+run_lock.take(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+"""A process that takes a run directory's lock and keeps it until it is killed."""
+
+
+def holder(run_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_process_is_refused_naming_the_first_and_a_killed_ones_lock_is_gone(tmp_path):
+    run_dir = tmp_path / "e1"
+    first = holder(run_dir)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            run_lock.take(run_dir)
+        line = str(refused.value)
+        assert line.startswith(f"run 'e1' is in use by another driver: pid {first.pid} on {socket.gethostname()}, since ")
+        assert line.endswith("wait for it to end or stop it, or pass a new --name")
+        assert "\n" not in line
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    run_lock.take(run_dir)  # the kernel dropped the dead holder's lock: no stale pid file to judge
+    try:
+        assert json.loads((run_dir / run_lock.LOCK).read_text())["pid"] != first.pid
+    finally:
+        run_lock.release(run_dir)
+
+
+def test_a_process_takes_its_own_run_again_and_follows_it_when_moved_aside(tmp_path):
+    run_dir = tmp_path / "e1"
+    run_lock.take(run_dir)
+    try:
+        run_lock.take(run_dir)  # the Python API's second run of a name: no conflict with itself
+        run_dir.rename(tmp_path / "e1.old")  # --no-resume's move aside takes the lock file with it
+        run_lock.take(run_dir)
+        assert (run_dir / run_lock.LOCK).exists()
+        with pytest.raises(subprocess.CalledProcessError):  # the new directory is held, not only the old one
+            subprocess.run([sys.executable, "-c", HOLD, str(run_dir)], check=True, timeout=60, capture_output=True)
+    finally:
+        run_lock.release(run_dir)
+
+
+def test_no_resume_does_not_move_a_live_run_aside(tmp_path):
+    run_dir = tmp_path / "e1"
+    first = holder(run_dir)
+    (run_dir / "metrics.csv").write_text("epoch\n1\n")
+    try:
+        # Refused before Ray: --address names no cluster, and is never reached.
+        proc = raytrain("run", "--no-resume", "--name", "e1", "--storage-path", str(tmp_path),
+                        "--address", "127.0.0.1:1", timeout=120)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: run 'e1' is in use by another driver: pid {first.pid} on ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e1"]  # nothing moved aside
+    assert (run_dir / "metrics.csv").exists()
+
+
+def test_a_second_scale_study_on_one_name_is_refused(tmp_path):
+    """`raytrain scale` writes its table into the study's directory: one study per --name too."""
+    first = holder(tmp_path / "s1")
+    try:
+        proc = raytrain("scale", "--workers", "1", "--name", "s1", "--storage-path", str(tmp_path),
+                        "--address", "127.0.0.1:1", timeout=120)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: run 's1' is in use by another driver: pid {first.pid} on ")
+
+
+# --- end to end ---
+
+RUN = ["--workers", "2", "--train-samples", "2048", "--val-samples", "256", "--batch-size", "32",
+       "--data-workers", "0", "--progress", "plain", "--epochs", "2", "--checkpoint-every-steps", "8"]
+"""2 ranks x 32 steps per epoch, a checkpoint every 8: long enough to be found running and killed."""
+
+
+@pytest.mark.e2e
+def test_two_drivers_on_one_name_and_a_sigkilled_one(ray_head, tmp_path):
+    args = ["run", *RUN, "--storage-path", str(tmp_path), "--name", "e1"]
+    run_dir = tmp_path / "e1"
+    first = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", *args], env=ray_head.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(run_dir / "workers.json", first)  # its ranks train
+        started = time.monotonic()
+        second = raytrain(*args, env=ray_head.env, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        [line] = second.stderr.strip().splitlines()
+        assert line.startswith(f"error: run 'e1' is in use by another driver: pid {first.pid} on {socket.gethostname()}, since ")
+        assert "raytrain run --workers 2" in line and "pass a new --name" in line
+        assert time.monotonic() - started < 60 and "run e1:" not in second.stdout  # no Ray, no rank
+        while latest_checkpoint(run_dir) is None:
+            assert first.poll() is None, first.communicate()[1][-2000:]
+            time.sleep(0.2)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    # Its lock died with it; its job's ranks are ended by Ray, and the rerun waits for their CPUs.
+    again = raytrain(*args, "--wait-for-resources", "60", env=ray_head.env, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from the checkpoint at epoch 1" in again.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["final"]["epoch"] == 2
