@@ -70,36 +70,33 @@ def test_a_process_takes_its_own_run_again_and_follows_it_when_moved_aside(tmp_p
         run_lock.release(run_dir)
 
 
-def test_no_resume_does_not_move_a_live_run_aside(tmp_path):
-    run_dir = tmp_path / "e1"
+def refused_while_held(run_dir: Path, *args: str) -> None:
+    """`raytrain ARGS` while another process holds `run_dir`: refused in one line naming that process,
+    before any Ray (--address names no cluster, and is never reached)."""
     first = holder(run_dir)
-    (run_dir / "metrics.csv").write_text("epoch\n1\n")
     try:
-        # Refused before Ray: --address names no cluster, and is never reached.
-        proc = raytrain("run", "--no-resume", "--name", "e1", "--storage-path", str(tmp_path),
+        proc = raytrain(*args, "--name", run_dir.name, "--storage-path", str(run_dir.parent),
                         "--address", "127.0.0.1:1", timeout=120)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: run 'e1' is in use by another driver: pid {first.pid} on ")
+    assert line.startswith(f"error: run '{run_dir.name}' is in use by another driver: pid {first.pid} on "), line
+
+
+def test_no_resume_does_not_move_a_live_run_aside(tmp_path):
+    run_dir = tmp_path / "e1"
+    run_dir.mkdir()
+    (run_dir / "metrics.csv").write_text("epoch\n1\n")
+    refused_while_held(run_dir, "run", "--no-resume")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e1"]  # nothing moved aside
     assert (run_dir / "metrics.csv").exists()
 
 
 def test_a_second_scale_study_on_one_name_is_refused(tmp_path):
     """`raytrain scale` writes its table into the study's directory: one study per --name too."""
-    first = holder(tmp_path / "s1")
-    try:
-        proc = raytrain("scale", "--workers", "1", "--name", "s1", "--storage-path", str(tmp_path),
-                        "--address", "127.0.0.1:1", timeout=120)
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-    assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: run 's1' is in use by another driver: pid {first.pid} on ")
+    refused_while_held(tmp_path / "s1", "scale", "--workers", "1")
 
 
 # --- end to end ---
