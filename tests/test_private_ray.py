@@ -146,3 +146,9 @@ def test_a_raylet_killed_under_the_run_ends_it_in_one_line_and_the_same_command_
 )
 def test_what_ray_start_said_of_a_dead_child_is_read(said, expected):
     assert keeper.reported_deaths(said) == expected
+
+
+def test_of_several_parts_gone_at_one_look_the_one_ray_start_saw_die_is_named():
+    core = {101: "gcs_server", 102: "raylet"}  # as found: the GCS first
+    assert keeper.culprit(core, [101, 102], {"raylet": "was killed by SIGKILL"}) == 102
+    assert keeper.culprit(core, [101, 102], {}) == 101  # no word from `ray start`: the first found

@@ -29,8 +29,9 @@ WATCH_S = 0.25
 """How often the head's processes are looked at."""
 GRACE_S = 2.0
 """Between SIGTERM to every descendant and SIGKILL to those left."""
-REPORT_WAIT_S = 2.0
-"""How long `ray start`, which looks at its children each second, gets to say how one died."""
+REPORT_WAIT_S = 5.0
+"""How long `ray start`, which looks at its children each second, gets to say how one died (longer on
+a busy machine; it exits as soon as it has said)."""
 CORE = ("gcs_server", "raylet")
 """The head's processes whose death ends the cluster (their /proc comm)."""
 LOST = "lost"
@@ -199,12 +200,18 @@ def describe(head: subprocess.Popen, statuses: dict[int, int], core: dict[int, s
         reap(statuses)
     said = reported_deaths((directory / "ray-start.log").read_text(errors="replace"))
     if gone:
-        pid = gone[0]
+        pid = culprit(core, gone, said)
         return loss_line(core[pid], pid, how(statuses[pid]) if pid in statuses else said.get(core[pid]))
     if said:
         name, words = next(iter(said.items()))
         return f"the private Ray's {name} {words}"
     return loss_line("ray", head.pid, how(statuses[head.pid]) if head.pid in statuses else None)
+
+
+def culprit(core: dict[int, str], gone: list[int], said: dict[str, str]) -> int:
+    """Which of the head's processes `gone` at one look died first: the one `ray start` saw die, not
+    those it then ended itself (a busy machine looks late, and finds them all gone)."""
+    return next((pid for name in said for pid in gone if core[pid] == name), gone[0])
 
 
 def main(argv: list[str]) -> int:

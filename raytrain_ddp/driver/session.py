@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver import keeper
 from raytrain_ddp.ray_compat import has
 from raytrain_ddp.ray_compat.state import cluster_ray_version, quiet_ray_notices, use_token_auth
 
@@ -117,10 +118,10 @@ def stop_private_ray() -> None:
         _private.stop()
 
 
-LOST_SETTLE_S = 4.0
+LOST_SETTLE_S = 4.0 + keeper.REPORT_WAIT_S
 """How long an error in a run may wait for the cluster's loss to be known before it is reported as
-itself, once the loss is suspected: the keeper and `ray start` take up to ~2 s to say which part
-died, a joined GCS GCS_LOST_S."""
+itself, once the loss is suspected: the keeper waits up to REPORT_WAIT_S for `ray start` to say
+which part died, a joined GCS GCS_LOST_S."""
 SUSPECT_S = 1.2
 """How long it waits for a first sign of a loss (the keeper looks every 0.25 s, GcsWatch once a
 second): without one, a failed run's error is its own."""

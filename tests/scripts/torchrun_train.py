@@ -82,10 +82,11 @@ while epoch < args.epochs or (args.wait_for_sigterm and not stop):
     print(f"epoch {epoch} mean loss {total[0].item() / total[1].item():.4f}", flush=True)
     if rank == args.fail_rank:
         print(f"rank {rank} is failing on purpose", file=sys.stderr, flush=True)
-        # Leave the group first: exiting with gloo's threads still talking to rank 0 can abort the
-        # interpreter's teardown (SIGABRT, "terminate called without an active exception").
+        # Past the interpreter's teardown: with gloo's threads still talking to rank 0 it can abort
+        # (SIGABRT, "terminate called without an active exception"), even after destroy_process_group,
+        # and the status would be lost (test_launch.py's teardown test covers that case).
         dist.destroy_process_group()
-        raise SystemExit(args.exit_code)
+        os._exit(args.exit_code)
     epoch += 1
     if args.wait_for_sigterm:
         # Every rank must see the stop at the same epoch, or one waits in all_reduce for the other.
