@@ -175,12 +175,6 @@ def test_a_truncated_newest_state_resumes_from_the_older_and_says_so(ray_head, f
 
 
 @pytest.mark.e2e
-def test_a_truncated_newest_resume_info_resumes_from_the_older(ray_head, finished_run, tmp_path):
-    again, old, new = rerun(ray_head, finished_run, tmp_path, lambda newest, _: truncate(newest / RESUME_INFO))
-    assert_resumed_from_the_older(again, tmp_path / "c1", old, f"skipped {new}: resume.json is not whole JSON: ")
-
-
-@pytest.mark.e2e
 def test_a_deleted_newest_checkpoint_resumes_from_the_older_without_ray_s_error(ray_head, finished_run, tmp_path):
     again, old, new = rerun(ray_head, finished_run, tmp_path, lambda newest, _: shutil.rmtree(newest))
     assert_resumed_from_the_older(again, tmp_path / "c1", old, f"skipped {new}: its directory is gone")

@@ -40,6 +40,7 @@ def test_run_starts_a_local_ray_and_learns(tmp_path):
     assert summary["final"]["val_acc"] == pytest.approx(float(rows[-1]["val_acc"]))
     assert summary["config"]["workers"] == 2
     assert "done: 2 gloo workers" in proc.stdout
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("straggler:")], proc.stdout
 
 
 @pytest.mark.e2e

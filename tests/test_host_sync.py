@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import TINY
 
+from raytrain_ddp.doctor.ranks import RankProcess, ranks_from
 from raytrain_ddp.driver.run import niced
 from raytrain_ddp.worker import host_sync
 
@@ -41,9 +42,9 @@ def test_without_the_check_the_wall_lets_everything_pass(monkeypatch):
 
 
 def test_niced_ranks_get_one_line_that_names_the_fix():
-    where = lambda host, nice: {"hostname": host, "ip": "10.0.0.1", "pid": 1, "nice": nice}
+    where = lambda host, nice: RankProcess(0, host, "10.0.0.1", 1, nice)
     assert niced([where("a", 0), where("b", -5)]) is None
-    assert niced([{"hostname": "a", "ip": "x", "pid": 1}]) is None  # a record without the field
+    assert niced(ranks_from([{"hostname": "a", "ip": "x", "pid": 1}])) is None  # an announcement without the field
     line = niced([where("a", 0), where("b", 15), where("c", 15)])
     assert line.startswith("2 of 3 ranks (on b, c) run at nice 15") and "RAY_worker_niceness=0" in line
 

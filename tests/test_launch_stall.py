@@ -1,4 +1,4 @@
-"""`raytrain launch`'s stall watch (driver/launch_stall.py) and `raytrain stack` (driver/stack.py): a
+"""`raytrain launch`'s stall watch (doctor/launch_watch.py) and `raytrain stack` (doctor/stack.py): a
 launched script's rank stuck for good is named, with its frame, seconds after every rank's stack
 stopped moving; and every rank's stack can be printed while the run goes on."""
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import raytrain
 from test_launch import wait_for_line
 
-from raytrain_ddp.driver.launch_stall import StackWatch, between_looks
+from raytrain_ddp.doctor.launch_watch import StackWatch, between_looks
 
 STUCK_PY = """\
 import os

@@ -25,7 +25,8 @@ def test_the_parts_add_up_and_only_a_synced_backward_has_communication(device: s
                             rank=0, world_size=1)
     try:
         model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4)).to(device))
-        parts = PartClock(model, torch.device(device))
+        parts = PartClock(model, torch.device(device), loader_workers=2)
+        parts.new_pass(6)
         scaler = torch.amp.GradScaler("cuda", enabled=False)
         x, y = torch.randn(512, 64, device=device), torch.randint(4, (512,), device=device)
         parts.waited(0.25)
@@ -45,9 +46,14 @@ def test_the_parts_add_up_and_only_a_synced_backward_has_communication(device: s
         assert more_backward > 0 and 0 <= more_comm < more_backward, (synced, unsynced)
         assert len(parts.hooks) == 1  # after the first backward, only the last gradient's hook is left
 
-        mine = parts.gather(torch.device(device))
-        assert len(mine) == 1 and mine[0]["data"] == 0.25
-        parts.new_pass()
+        [mine] = parts.gather(torch.device(device))
+        assert mine["data"] == 0.25
+        # the 6 micro-batches in 8 windows, whose seconds add up to the pass's
+        assert mine["window_steps"] == [1, 1, 1, 0, 1, 1, 1, 0]
+        for i, part in enumerate(PARTS):
+            assert sum(window[i] for window in mine["windows"]) == pytest.approx(mine[part], abs=1e-3), (part, mine)
+        assert mine["threads"] == torch.get_num_threads() and mine["loader_workers"] == 2 and mine["cores"] >= 1
+        parts.new_pass(6)
         assert parts.seconds() == [0.0, 0.0, 0.0, 0.0]
     finally:
         dist.destroy_process_group()

@@ -455,7 +455,7 @@ def test_launch_runs_a_torchrun_script_with_one_rank_per_node(lab: Lab) -> None:
     for rank, env in zip(ranks, envs):
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "1" and env["LOCAL_RANK"] == "0", env
         assert env["GROUP_RANK"] == env["NODE_RANK"], env
-    assert [rank["hostname"] for rank in ranks] == summary["nodes"]
+    assert [rank["host"] for rank in ranks] == summary["nodes"]
     assert sorted(env["NODE_RANK"] for env in envs) == ["0", "1"], envs
     # Every rank meets at rank 0's node, by the address Ray knows it by.
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == summary["node_ips"][0], envs
@@ -490,7 +490,7 @@ def test_launch_ships_a_package_that_only_the_head_node_has(lab: Lab) -> None:
     assert job.state == "COMPLETED", job.log
     assert re.search(r"1 of 2 nodes lack it; shipping /tmp/own-\w+ with", job.log), job.log
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-    assert sorted(rank["hostname"] for rank in ranks) == NODES
+    assert sorted(rank["host"] for rank in ranks) == NODES
     # Each rank ran in its own unpacked copy of the directory, not in the head's /tmp/own-*.
     assert all(not rank["cwd"].startswith("/tmp/own-") for rank in ranks), ranks
     assert_cleaned_up(lab, job_id)

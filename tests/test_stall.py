@@ -1,4 +1,4 @@
-"""The stall watch (driver/stall.py): a rank stuck for good is named, with its frame, in seconds, not
+"""The stall watch (doctor/stall_watch.py, read by doctor/diagnosis.py): a rank stuck for good is named, with its frame, in seconds, not
 after the collective's 30-minute timeout."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.stall import Place, culprit_ranks, is_stack, read_place, stall_limit, training_stack, verdict
+from raytrain_ddp.doctor.diagnosis import Place, culprit_ranks, is_stack, read_place, training_stack, verdict
+from raytrain_ddp.doctor.ranks import RankProcess
+from raytrain_ddp.doctor.stall_watch import stall_limit
 
 HANGS_PY = """\
 import threading
@@ -150,7 +152,7 @@ def test_under_nccl_the_culprit_is_the_rank_in_user_code_while_the_others_wait_i
     waits, stuck = read_place(AT_A_HOST_SYNC), read_place(RANK1)
     assert waits.collective is None and culprit_ranks([waits, stuck]) == [1]
     assert culprit_ranks([waits, waits]) == [] and culprit_ranks([stuck, stuck]) == []
-    where = [{"hostname": "vm", "pid": 100}, {"hostname": "vm", "pid": 101}]
+    where = [RankProcess(r, "vm", "10.0.0.1", 100 + r) for r in range(2)]
     assert verdict(where, [waits, stuck], 10, Path("runs/x/stall")) == (
         "the run stalled (no rank finished a training step for 10 s): rank 1 (vm pid 101) is at /tmp/x/hangs.py:18 in "
         "HangsOnRank1.forward, while the others wait in the training loop at /src/raytrain_ddp/worker/loop.py:262 in "
@@ -168,7 +170,7 @@ def test_a_rank_that_skipped_a_collective_is_the_one_past_it_even_in_a_tie():
     assert culprit_ranks([ahead, elsewhere, read_place(RANK1)]) == [2]  # still the one stuck in none
 
 
-RANKS = [{"hostname": "vm", "pid": 100 + r} for r in range(3)]
+RANKS = [RankProcess(r, "vm", "10.0.0.1", 100 + r) for r in range(3)]
 
 
 def test_the_verdict_names_the_rank_past_the_collective_and_where_the_others_wait():

@@ -1,4 +1,4 @@
-"""The stall watch (driver/stall.py) on a rank that skips a collective the others enter: on gloo a
+"""The stall watch (doctor/stall_watch.py, read by doctor/diagnosis.py) on a rank that skips a collective the others enter: on gloo a
 skipped barrier stalls every rank (a skipped all_reduce of a tensor fails at once instead, see
 docs/troubleshooting.md). At 2 ranks each waits in a different collective, a tie; the one named is
 the rank past the collective the other waits in."""

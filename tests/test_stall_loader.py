@@ -1,4 +1,4 @@
-"""The stall watch (driver/stall.py) on a rank whose DataLoader worker hangs: the report holds the
+"""The stall watch (doctor/stall_watch.py, read by doctor/diagnosis.py) on a rank whose DataLoader worker hangs: the report holds the
 loader workers' stacks, and one line names the worker that is stuck and where."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.stall import EXITED, LoaderWorker, is_zombie, loader_finding, loader_place, loader_workers
+from raytrain_ddp.doctor.diagnosis import EXITED, LoaderWorker, loader_finding, loader_place
+from raytrain_ddp.doctor.stacks import is_zombie, loader_workers
 
 BLOCKS_PY = """\
 import os

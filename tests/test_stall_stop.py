@@ -1,6 +1,6 @@
 """A stalled run still stops, and recovers where it may: a stop the ranks cannot answer ends them
 after --stop-grace-s (with the stall report), and under --max-failures a stall is a failure Ray Train
-restarts the worker group from (stall.py's StallWatch, run.py's RunNews.stop_overdue). Validation is
+restarts the worker group from (doctor/stall_watch.py's StallWatch, run.py's RunNews.stop_overdue). Validation is
 watched too, and a stop waits for validation that moves (sink.py's phases)."""
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ from pathlib import Path
 import ray
 
 from raytrain_ddp.driver.sink import MetricsSink
-from raytrain_ddp.driver.stall import StallWatch
+from raytrain_ddp.doctor.ranks import RankProcess
+from raytrain_ddp.doctor.stall_watch import StallWatch
 
 ray.init(logging_level="ERROR")
 sink = MetricsSink.remote()
@@ -201,7 +202,7 @@ gone = subprocess.Popen(["true"])
 while open(f"/proc/{gone.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
     time.sleep(0.05)
 time.sleep(1.5)  # rank 0's last beat is now past the 1 s timeout
-ranks = [{"rank": 0, "pid": gone.pid, "ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname()}]
+ranks = [RankProcess(0, socket.gethostname(), ray.util.get_node_ip_address(), gone.pid)]
 watch = StallWatch(sink, 1.0, Path(sys.argv[1]), print)
 watch.check(ranks)
 quiet, *_ = ray.get(sink.quiet.remote())

@@ -16,10 +16,9 @@ from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
-from raytrain_ddp.driver.core import Stopped
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
-from raytrain_ddp.driver.stall import Stalled
+from raytrain_ddp.driver.stops import RankConfigError, Stalled, Stopped
 from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 
 
@@ -34,7 +33,7 @@ def run_command(
         return
     try:
         summary = driver.run(cfg, launched=process_started())  # the start-up line counts our imports too
-    except KeyboardInterrupt as err:  # typer would make it a silent exit 130; driver.Interrupted says how to resume
+    except KeyboardInterrupt as err:  # typer would make it a silent exit 130; stops.Interrupted says how to resume
         print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
         if getattr(err, "at_once", False):
             # A second Ctrl-C interrupts the driver wherever it is, Ray's C++ core mid-call included,
@@ -50,7 +49,7 @@ def run_command(
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
         exit_at_once(EXIT_FAILED)
-    except driver.RankConfigError as err:  # the ranks may be retrying under --max-failures: end now, they die with us
+    except RankConfigError as err:  # the ranks may be retrying under --max-failures: end now, they die with us
         print(f"error: {err}", file=sys.stderr)
         exit_at_once(EXIT_BAD_INPUT)
     final = summary["final"]
@@ -124,7 +123,7 @@ def stack_command(
     ),
 ) -> None:
     """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
-    from raytrain_ddp.driver.stack import show_stacks
+    from raytrain_ddp.doctor.stack import show_stacks
 
     show_stacks(storage_path, name)
 

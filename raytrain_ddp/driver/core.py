@@ -19,37 +19,10 @@ from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.session import LOST_SETTLE_S, FitThread, ray_lost
 from raytrain_ddp.driver.startup import stages, stages_line
 from raytrain_ddp.driver.startup import summary as startup_summary
+from raytrain_ddp.driver.stops import RayLost, Stopped
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Ctrl-C; scancel, a time limit, `raytrain stop`; Slurm's --signal=B:USR1@grace notice."""
-
-
-class Stopped(Exception):
-    """The run stopped early, as asked by SIGUSR1 or SIGTERM (after a checkpoint, where it makes them)."""
-
-    def __init__(self, message: str, at_once: bool = False) -> None:
-        super().__init__(message)
-        self.at_once = at_once
-        """The ranks did not answer in time and were ended: fit() may still block in Ray."""
-
-
-class RayLost(Exception):
-    """The Ray cluster went away under the run (a part of the private Ray died, or a joined cluster's
-    head): nothing of the run can go on, and Ray's own errors would only say that a call failed."""
-
-    def __init__(self, what: str, kept: str = "Run the same command again to resume") -> None:
-        super().__init__(f"the Ray cluster went away under the run: {what}. {kept}")
-        self.what = what
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C: the run stopped (the first, after its ranks answered), or stopped at once (a second). A
-    KeyboardInterrupt, as the Python API's callers expect of Ctrl-C."""
-
-    def __init__(self, message: str, at_once: bool = False) -> None:
-        super().__init__(message)
-        self.at_once = at_once
-        """A second Ctrl-C, or ranks that did not answer the first in time: the run did not wait for them."""
 
 
 class Signals:

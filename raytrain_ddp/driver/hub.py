@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.launch_records import (
     AttemptEnded,
     AttemptStarted,
@@ -130,14 +131,14 @@ class LaunchHub:
         """Whether any rank's script has started, in any attempt."""
         return any(attempt.scripts for attempt in self.attempts.values())
 
-    def ranks(self) -> list[dict[str, Any]]:
+    def ranks(self) -> list[RankProcess]:
         """Where each rank's script runs (hostname, ip, pid), by rank, while the last attempt runs
         with every script started and none ended (the stall watch's and `raytrain stack`'s ranks);
         else none."""
         attempt = self.last
         if attempt is None or attempt.exits or len(attempt.scripts) < attempt.world_size:
             return []
-        return [{"hostname": attempt.peers[r]["hostname"], "ip": attempt.peers[r]["ip"], "pid": attempt.scripts[r]}
+        return [RankProcess(r, attempt.peers[r]["hostname"], attempt.peers[r]["ip"], attempt.scripts[r])
                 for r in range(attempt.world_size)]
 
     def output(self, rank: int, lines: list[tuple[str, str]]) -> None:

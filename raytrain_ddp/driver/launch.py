@@ -21,13 +21,13 @@ from typing import Any, TextIO
 
 from raytrain_ddp import ray_compat
 from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
+from raytrain_ddp.doctor.launch_watch import StackWatch
+from raytrain_ddp.doctor.stall_watch import Report
 from raytrain_ddp.driver import core, preflight, shipping
 from raytrain_ddp.driver.core import Signals, StartupClock, drive
-from raytrain_ddp.driver.launch_stall import StackWatch
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, restarts, start_private_ray, trainer_configs
-from raytrain_ddp.driver.stall import Report
 from raytrain_ddp.driver.startup import LAUNCH_STAGES
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from raytrain_ddp.launch_output import TRACEBACK, mark, settled, unmark

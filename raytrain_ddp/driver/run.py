@@ -15,27 +15,24 @@ from typing import Any
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
+from raytrain_ddp.doctor.ranks import RankProcess
+from raytrain_ddp.doctor.stack import write_workers
+from raytrain_ddp.doctor.stall_watch import StallWatch
+from raytrain_ddp.doctor.stragglers import RANK_TIMES, crowded, most_uneven, stragglers, write_rank_times
 from raytrain_ddp.driver import preflight, run_lock, tracking
-from raytrain_ddp.driver.core import Interrupted, RayLost, Signals, StartupClock, Stopped, drive, write_summary
+from raytrain_ddp.driver.core import Signals, StartupClock, drive, write_summary
 from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.progress import Display
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
-from raytrain_ddp.driver.stack import write_workers
-from raytrain_ddp.driver.stall import StallWatch
-from raytrain_ddp.driver.stragglers import RANK_TIMES, most_uneven, stragglers, write_rank_times
 from raytrain_ddp.driver.startup import RUN_STAGES
+from raytrain_ddp.driver.stops import Interrupted, RankConfigError, RayLost, Stopped
 
 POLL_S = 0.5
 """How often the driver asks rank 0's sink for news and passes on a signal it got."""
 RESUME_HINT = "run the same command again (same --storage-path and --name {name}) to resume"
-
-
-class RankConfigError(ConfigError):
-    """A ConfigError a rank raised (a checkpoint that does not load), told through the sink: a retry
-    under --max-failures would raise it again, so the run ends at once."""
 
 
 def dry_run(cfg: TrainConfig) -> None:
@@ -166,8 +163,8 @@ def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> d
         final=rows[-1],
         world_size=info["world_size"],
         backend=info["backend"],
-        nodes=[r["hostname"] for r in info["ranks"]],
-        node_ips=[r["ip"] for r in info["ranks"]],
+        nodes=[r.host for r in info["ranks"]],
+        node_ips=[r.ip for r in info["ranks"]],
         first_step_unix=info.get("first_step_unix"),
         profile=[line for _, line in sorted(info.get("profiles", {}).items())] or None,  # --profile, by rank
         most_uneven_epoch=most_uneven(info.get("rank_parts", {}), hosts(info)),  # every rank's parts, and stragglers
@@ -177,7 +174,7 @@ def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> d
 
 
 def hosts(info: dict[str, Any]) -> list[str]:
-    return [r["hostname"] for r in info.get("ranks", [])]
+    return [r.host for r in info.get("ranks", [])]
 
 
 def kept(run_dir: Path, name: str) -> str:
@@ -214,14 +211,14 @@ def describe_resize(event: dict[str, Any]) -> str:
     )
 
 
-def niced(ranks: list[dict[str, Any]]) -> str | None:
+def niced(ranks: list[RankProcess]) -> str | None:
     """The start's one line when ranks run niced, which a cluster we joined may do (Ray's workers
     default to nice 15); None when every rank runs at nice 0 or below."""
-    low = [where for where in ranks if where.get("nice", 0) > 0]
+    low = [where for where in ranks if where.nice > 0]
     if not low:
         return None
-    hosts = sorted({where["hostname"] for where in low})
-    nice = max(where["nice"] for where in low)
+    hosts = sorted({where.host for where in low})
+    nice = max(where.nice for where in low)
     return (
         f"{len(low)} of {len(ranks)} ranks (on {', '.join(hosts)}) run at nice {nice}, so any process at nice 0 "
         "on their nodes takes the CPU first: start that cluster's Ray nodes with RAY_worker_niceness=0 in "
@@ -242,6 +239,8 @@ class RunNews:
         self.stalled: BaseException | None = None
         self.stragglers: set[tuple[int, str]] = set()
         """(rank, part) of the stragglers named so far: each is said once, its epochs are in rank_times.csv."""
+        self.crowded = False
+        """Whether the ranks were said to share their cores (so no straggler is named): said once."""
         self.name, self.grace = plan.cfg.name, plan.cfg.stop_grace_s
         self.stopping: str | None = None
         """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
@@ -267,7 +266,7 @@ class RunNews:
             # Which pid on which host is which rank: for the user, `raytrain stack` (and tests that kill one).
             write_workers(self.run_dir, info["ranks"])
         if info.get("rank_parts") and info["rank_parts"] != self.info.get("rank_parts"):
-            write_rank_times(self.run_dir / RANK_TIMES, info["rank_parts"], hosts(info))
+            write_rank_times(self.run_dir, info["rank_parts"], hosts(info))
         for line in self.lines(info):
             self.display.print(line)
         self.info, self.rows = info, rows
@@ -290,7 +289,7 @@ class RunNews:
         if self.stopping is None or info.get("stopped_at"):
             return
         phase = info.get("phase")
-        if phase is None:
+        if phase in (None, "first step"):
             self.stop_waited += since
         overdue = self.stop_waited >= self.grace
         if phase == "validation" and not overdue:
@@ -339,9 +338,13 @@ class RunNews:
         return lines + self.straggler_lines(info)
 
     def straggler_lines(self, info: dict[str, Any]) -> list[str]:
-        """A line for each rank newly slow in a part: the first epoch it was."""
+        """A line for each rank newly slow in a part: the first epoch it was; or once, that the ranks'
+        times are not comparable."""
         lines, parts = [], info.get("rank_parts", {})
         for epoch in sorted(parts.keys() - self.info.get("rank_parts", {}).keys()):
+            if not self.crowded and (line := crowded(parts[epoch], hosts(info))):
+                self.crowded = True
+                lines.append(line)
             for slow in stragglers(epoch, parts[epoch], hosts(info)):
                 if (slow.rank, slow.part) not in self.stragglers:
                     self.stragglers.add((slow.rank, slow.part))

@@ -12,6 +12,8 @@ from typing import Any
 
 import ray
 
+from raytrain_ddp.doctor.ranks import ranks_from
+
 
 class Sink:
     """Holds what rank 0 last said, and whether the driver asks to stop; MetricsSink is this as a
@@ -27,9 +29,10 @@ class Sink:
         self.rows: dict[int, dict[str, Any]] = {}
         self.beat: float | None = None
         """When (this actor's clock) rank 0 last said a step finished, validated a batch, or left a
-        checkpoint; None before the first step of a worker group, and while it writes a checkpoint."""
+        checkpoint, or its worker group started; None before a group starts, and while rank 0 writes
+        a checkpoint."""
         self.beat_gaps: list[float] = []
-        """The latest seconds between beats: the stall watch's measure of a slow step (stall.py)."""
+        """The latest seconds between beats: the stall watch's measure of a slow step (doctor/stall_watch.py)."""
         self.stall_ended = False
         """The stall watch ended the running group: the next group's restart event says so."""
 
@@ -45,6 +48,8 @@ class Sink:
         previous group's size to this one's; a resize the group found itself (its checkpoint's world
         size differs) is that same event.
         """
+        if "ranks" in run:
+            run["ranks"] = ranks_from(run["ranks"])
         found = list(run.pop("resizes", None) or [])
         marks = run.pop("startup", None)
         if marks is not None:  # rank 0's start-up marks (startup.py): the first worker group's, as first_step_unix is
@@ -54,9 +59,12 @@ class Sink:
         # its checkpoint was registered; they will be redone and reported again.
         epoch, position = (run.get("resumed_at") or [1, 0])[:2]
         self.rows = {e: row for e, row in self.rows.items() if e < epoch}
-        self.last_step, self.beat = None, None  # the stall watch starts again at this group's first step
+        # The stall watch counts from here: this group's first step, where the loaders start and
+        # torch.compile and cuDNN warm up, is a phase of its own (it says "first step", and its length
+        # is no measure of a step).
+        self.last_step, self.beat = None, time.time()
         stalled, self.stall_ended = self.stall_ended, False
-        self.run["phase"] = None
+        self.run["phase"] = "first step"
         if previous is None:
             resizes = found
         else:
@@ -77,7 +85,9 @@ class Sink:
     def step(self, **update: Any) -> None:
         self.last_step = update
         now = time.time()
-        if self.beat is not None:
+        if self.run.get("phase") == "first step":
+            self.run["phase"] = None
+        elif self.beat is not None:
             self.beat_gaps = [*self.beat_gaps[-19:], now - self.beat]
         self.beat = now
         self.run.setdefault("first_step_unix", update["at"])  # time to first step, for benchmarks
@@ -100,8 +110,9 @@ class Sink:
         self.beat, self.stall_ended = time.time(), True
 
     def quiet(self) -> tuple[float | None, list[float], str | None]:
-        """Seconds since rank 0's last beat (None: no step yet, or inside a checkpoint), the latest
-        gaps between its steps, and the phase it is in (None: training steps)."""
+        """Seconds since rank 0's last beat (None: no group started yet, or inside a checkpoint), the
+        latest gaps between its steps, and the phase it is in (None: training steps; "first step",
+        "validation", "checkpoint")."""
         return (None if self.beat is None else time.time() - self.beat), self.beat_gaps, self.run.get("phase")
 
     def request_stop(self) -> None:
@@ -124,7 +135,7 @@ class Sink:
         self.run.setdefault("profiles", {})[rank] = line
 
     def config_error(self, message: str) -> None:
-        """A rank raised a ConfigError: the driver's next poll ends the run (run.RankConfigError). Every
+        """A rank raised a ConfigError: the driver's next poll ends the run (stops.RankConfigError). Every
         rank may say it; the first is kept."""
         self.run.setdefault("config_error", message)
 

@@ -138,7 +138,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         announce(cfg, sink, state, resumed, ranks, loaders.steps_per_epoch, marks)
     profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line))
     run = Setup(cfg, sink, rank, world_size, device, loaders, model, optimizer, scaler, amp_dtype, accum,
-                checkpointer, profiler, PartClock(model, device))
+                checkpointer, profiler, PartClock(model, device, cfg.data_workers if cfg.loader == "torch" else 0))
 
     # [5] Epochs: a pass of optimizer steps, then validation and the epoch's checkpoint.
     control = Control.new(rank, sink, amp_dtype, device)
@@ -238,7 +238,7 @@ def train_epoch(run: Setup, state: TrainState, control: Control, clock: Clock, m
     cfg, start = run.cfg, state.position
     done = start // (run.world_size * cfg.batch_size)  # batches per rank before this pass, for the display
     control.new_pass()
-    run.parts.new_pass()
+    run.parts.new_pass(micro_steps)
     batches = timed(run.loaders.train)
     for opt_step, first in enumerate(range(1, micro_steps + 1, run.accum), start=1):
         last = min(first + run.accum - 1, micro_steps)  # the epoch's last step may have fewer micro-batches

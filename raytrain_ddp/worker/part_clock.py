@@ -1,6 +1,7 @@
 """This rank's own time in each part of its training steps: waiting for data, forward, backward, and
-communication. The driver compares the ranks' parts each epoch (driver/stragglers.py) to name a rank
-that is slow, and in what.
+communication. The driver compares the ranks' parts each epoch (doctor/stragglers.py) to name a rank
+that is slow, and in what: in every window of the pass's steps, not over one bad stretch, and not at
+all where the ranks share their node's cores (each rank sends its busy threads and cores too).
 
 Loss and throughput are all-reduced, and under DDP every rank waits for the slowest at the gradient
 all-reduce, so a slow rank hides in plain timings: its peers' backward() takes as long as its own.
@@ -26,6 +27,7 @@ synchronization to the step.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -36,14 +38,25 @@ from torch.nn.parallel import DistributedDataParallel
 PARTS = ("data", "forward", "backward", "comm")
 RESOLVE_EVERY = 64
 """On a GPU: micro-batches of events kept before those already done are read (bounds their memory)."""
+WINDOWS = 8
+"""A pass's micro-batches are timed in this many windows of consecutive ones, for the driver to see
+whether a rank's gap persists (doctor/stragglers.py)."""
 
 
 class PartClock:
     """One pass's seconds per part on this rank (`seconds()`), and the gradient hook that marks backward's split."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, loader_workers: int = 0) -> None:
         self.cuda = device.type == "cuda"
+        self.loader_workers = loader_workers
+        """The DataLoader's worker processes: busy on this node besides torch's threads."""
         self.totals = dict.fromkeys(PARTS, 0.0)
+        self.windows = [dict.fromkeys(PARTS, 0.0) for _ in range(WINDOWS)]
+        """The same seconds, per window of the pass's micro-batches."""
+        self.window_steps = [0] * WINDOWS
+        """The micro-batches in each window (the last ones may hold one fewer, or none in a short pass)."""
+        self.micro_steps, self.done = 1, 0
+        """The pass's micro-batches, and those done so far: which window the next one is in."""
         self.marks: dict[str, Any] = {}
         """This micro-batch's marks: perf_counter seconds on CPU, CUDA events on a GPU."""
         self.pending: list[dict[str, Any]] = []
@@ -60,12 +73,20 @@ class PartClock:
         self.last = param
         self.mark("ready")
 
-    def new_pass(self) -> None:
+    def new_pass(self, micro_steps: int) -> None:
         self.totals = dict.fromkeys(PARTS, 0.0)
+        self.windows = [dict.fromkeys(PARTS, 0.0) for _ in range(WINDOWS)]
+        self.window_steps = [0] * WINDOWS
+        self.micro_steps, self.done = max(micro_steps, 1), 0
         self.pending = []
+
+    def window(self) -> int:
+        """The window of the micro-batch under way."""
+        return min(self.done * WINDOWS // self.micro_steps, WINDOWS - 1)
 
     def waited(self, seconds: float) -> None:
         self.totals["data"] += seconds
+        self.windows[self.window()]["data"] += seconds
 
     def mark(self, name: str) -> None:
         """`start`, `forward` (its end), `ready` (the last gradient so far), `backward` (its end)."""
@@ -79,6 +100,9 @@ class PartClock:
     def step_done(self) -> None:
         """The micro-batch's backward() returned: add its parts."""
         marks, self.marks = self.marks, {}
+        marks["window"] = self.window()
+        self.window_steps[marks["window"]] += 1
+        self.done += 1
         if len(self.hooks) > 1 and self.last is not None:  # learnt which gradient comes last: keep its hook only
             for key in [key for key in self.hooks if key != id(self.last)]:
                 self.hooks.pop(key).remove()
@@ -96,10 +120,12 @@ class PartClock:
             self.pending = still
 
     def add(self, marks: dict[str, Any], between: Any) -> None:
-        self.totals["forward"] += between(marks["start"], marks["forward"])
         own_end = marks.get("ready", marks["backward"])  # no hook ran: no DDP (or the last gradient was unused)
-        self.totals["backward"] += between(marks["forward"], own_end)
-        self.totals["comm"] += between(own_end, marks["backward"])
+        seconds = {"forward": between(marks["start"], marks["forward"]), "backward": between(marks["forward"], own_end),
+                   "comm": between(own_end, marks["backward"])}
+        for part, value in seconds.items():
+            self.totals[part] += value
+            self.windows[marks["window"]][part] += value
 
     def seconds(self) -> list[float]:
         """This pass's seconds per part, in PARTS' order."""
@@ -110,14 +136,36 @@ class PartClock:
             self.pending = []
         return [self.totals[part] for part in PARTS]
 
-    def gather(self, device: torch.device) -> list[dict[str, float]]:
-        """Every rank's parts this pass, in rank order (a collective: every rank calls it)."""
-        mine = torch.tensor(self.seconds(), dtype=torch.float64, device=device)
+    def gather(self, device: torch.device) -> list[dict[str, Any]]:
+        """Every rank's parts this pass, in rank order (a collective: every rank calls it): its seconds
+        per part, `windows` (the same per window) and `window_steps`; its torch `threads`, `loader_workers`
+        and the `cores` it may run on."""
+        figures = [*self.seconds(), *(w[part] for w in self.windows for part in PARTS), *self.window_steps,
+                   torch.get_num_threads(), self.loader_workers, cores()]
+        mine = torch.tensor(figures, dtype=torch.float64, device=device)
         world = [mine]
         if dist.is_initialized():
             world = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(world, mine)
-        return [{part: round(value, 4) for part, value in zip(PARTS, row.tolist())} for row in world]
+        return [rank_figures([round(value, 4) for value in row.tolist()]) for row in world]
+
+
+def rank_figures(row: list[float]) -> dict[str, Any]:
+    """One rank's row of `gather` as the driver reads it."""
+    n, steps = len(PARTS), len(PARTS) * (WINDOWS + 1)
+    return {
+        **dict(zip(PARTS, row[:n])),
+        "windows": [row[n + w * n : n + (w + 1) * n] for w in range(WINDOWS)],
+        "window_steps": [int(count) for count in row[steps : steps + WINDOWS]],
+        "threads": int(row[-3]),
+        "loader_workers": int(row[-2]),
+        "cores": int(row[-1]),
+    }
+
+
+def cores() -> int:
+    """The cores this rank may run on (its affinity, which a scheduler such as Slurm may narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def gpu_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:

@@ -1,7 +1,7 @@
 """`raytrain launch`'s stall watch. A user's script reports no steps, so the sign of a stall is its
 stacks: when no rank's Python stack (its main thread's, read with py-spy) changed for
 --stall-timeout seconds and at least one rank waits in a torch.distributed collective, the run is
-stalled. Then, as `raytrain run`'s watch does (stall.py's diagnose), every rank's stack goes to
+stalled. Then, as `raytrain run`'s watch does (stall_watch.py's diagnose), every rank's stack goes to
 <run dir>/stall/, the rank not where the others wait is named, and the scripts are killed: a
 failure Ray Train restarts the group from under --max-failures (or an elastic run), the run's end
 once past that budget.
@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from raytrain_ddp.driver.stack import write_workers
-from raytrain_ddp.driver.stall import (
-    Report, Stalled, diagnose, dump_stacks, glance, is_stack, read_place, restart_count, stall_folder, stall_limit,
-    training_stack,
-)
+from raytrain_ddp.doctor.diagnosis import is_stack, moving, read_place, training_stack
+from raytrain_ddp.doctor.ranks import RankProcess
+from raytrain_ddp.doctor.stack import write_workers
+from raytrain_ddp.doctor.stacks import dump_stacks, glance
+from raytrain_ddp.doctor.stall_watch import Report, compile_limit, diagnose, restart_count, stall_folder, stall_limit
+from raytrain_ddp.driver.stops import Stalled
 
+SCRIPT_SILENCE = "no rank's Python stack changed"
+"""What a stalled script did not do: it reports no steps."""
 MOST_BETWEEN_LOOKS_S = 15.0
 """The longest wait between two looks at every rank's stack."""
 
@@ -39,7 +42,7 @@ class StackWatch:
     def __init__(self, hub: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None], restarts: int = 0) -> None:
         self.hub, self.run_dir, self.say, self.restarts = hub, Path(run_dir), say, restarts
         self.limit = stall_limit(timeout, [])  # a script has no steps to measure: 120 s by default, None when off
-        self.ranks: list[dict[str, Any]] = []
+        self.ranks: list[RankProcess] = []
         self.stacks: list[tuple[Any, ...]] = []
         """Each rank's training stack at the last look."""
         self.since: list[float] = []
@@ -48,6 +51,7 @@ class StackWatch:
         self.read = False
         """Whether a look read any stack of this worker group's scripts."""
         self.told_blind = False
+        self.told_compiling = False
         self.stalled: Stalled | None = None
         self.stalls: list[Report] = []
         """The stalls Ray Train restarted the scripts from (and the last, if it ended the run)."""
@@ -72,8 +76,10 @@ class StackWatch:
         self.read = self.read or any(map(is_stack, texts))
         still = self.still_for(texts)
         if still >= self.limit and any(read_place(text).collective for text in texts):
+            if self.compiling(ranks, texts, still):
+                return
             report = diagnose(ranks, texts, still, stall_folder(self.run_dir, self.stalls), self.say,
-                              silence="no rank's Python stack changed")
+                              silence=SCRIPT_SILENCE)
             self.stalls.append(report)
             if len(self.stalls) > self.restarts:
                 self.stalled = Stalled(report.line)
@@ -82,9 +88,19 @@ class StackWatch:
             self.say(f"{report.line}; the scripts were ended: Ray Train restarts them "
                      f"({restart_count(self.stalls, self.restarts)})")
 
-    def new_group(self, ranks: list[dict[str, Any]]) -> None:
+    def compiling(self, ranks: list[RankProcess], texts: list[str], still: float) -> bool:
+        """Whether the still ranks wait for one inside torch.compile, within `compile_limit`: said once."""
+        seen = moving(ranks, texts, [[] for _ in ranks], still, SCRIPT_SILENCE)
+        if seen is None or seen.kind != "compiling" or still >= compile_limit(self.limit or 0):
+            return False
+        if not self.told_compiling:
+            self.told_compiling = True
+            self.say(f"{seen.line}; the stall watch allows it {compile_limit(self.limit or 0):.0f} s")
+        return True
+
+    def new_group(self, ranks: list[RankProcess]) -> None:
         """A new attempt's scripts (or the end of one's): note where they run, and count from nothing."""
-        self.ranks, self.stacks, self.since, self.read = ranks, [], [], False
+        self.ranks, self.stacks, self.since, self.read, self.told_compiling = ranks, [], [], False, False
         if ranks:
             write_workers(self.run_dir, ranks)
         # The first look a while after the scripts started: py-spy cannot read an interpreter that

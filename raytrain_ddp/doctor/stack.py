@@ -10,27 +10,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.metrics import write_json
 from raytrain_ddp.driver.session import check_reachable, connect
-from raytrain_ddp.driver.stall import (
-    dump_loader_workers, dump_stacks, glance, glance_loader_workers, is_stack, loader_place, worker_label,
-)
+from raytrain_ddp.doctor.diagnosis import is_stack, loader_place, worker_label
+from raytrain_ddp.doctor.ranks import RankProcess, ranks_from
+from raytrain_ddp.doctor.stacks import dump_loader_workers, dump_stacks, glance, glance_loader_workers
 from raytrain_ddp.ray_compat.state import token_auth_enabled, use_token_auth
 
 WORKERS = "workers.json"
 
 
-def write_workers(run_dir: Path, ranks: list[dict[str, Any]]) -> None:
+def write_workers(run_dir: Path, ranks: list[RankProcess]) -> None:
     """<run dir>/workers.json: each rank's hostname, ip and pid, by rank; the address of the Ray
     cluster the driver is connected to (a private local Ray's too, while the driver runs), and
     whether it talks to it with a token, and the token's file (never the token itself): a private
     Ray's is its own, in a directory only this user reads, gone with it."""
     import ray
 
-    write_json(Path(run_dir) / WORKERS, {"ranks": ranks, "ray_address": ray.get_runtime_context().gcs_address,
+    write_json(Path(run_dir) / WORKERS, {"ranks": [r.to_json() for r in ranks], "ray_address": ray.get_runtime_context().gcs_address,
                                          "token_auth": token_auth_enabled(),
                                          "token_path": os.environ.get("RAY_AUTH_TOKEN_PATH")})
 
@@ -40,7 +39,7 @@ def show_stacks(storage_path: str, name: str | None) -> None:
     `== rank N's loader worker I (pid PID) on HOST: where ==` and its dump for each of its loader workers."""
     run_dir = find_run(Path(storage_path).expanduser().absolute(), name)
     record = json.loads((run_dir / WORKERS).read_text())
-    address, ranks = record.get("ray_address"), record["ranks"]
+    address, ranks = record.get("ray_address"), ranks_from(record["ranks"])
     if not address:
         raise ConfigError(f"{run_dir / WORKERS} names no Ray cluster (a run started before `raytrain stack` existed)")
     try:
@@ -56,13 +55,13 @@ def show_stacks(storage_path: str, name: str | None) -> None:
     connect(TrainConfig(address=address))
     stacks = dump_stacks(ranks, glance)  # unpaused: the run's own stall watch may be looking too
     if not any(map(is_stack, stacks)):
-        pids = ", ".join(f"{r['pid']} on {r['hostname']}" for r in ranks)
+        pids = ", ".join(f"{r.pid} on {r.host}" for r in ranks)
         raise ConfigError(f"run {run_dir.name} is not running: none of its ranks' processes is there ({pids})")
     workers = dump_loader_workers(ranks, glance_loader_workers)
     for rank, (where, text) in enumerate(zip(ranks, stacks)):
-        print(f"== rank {rank} on {where['hostname']} pid {where['pid']} ==\n{text.rstrip()}\n", flush=True)
+        print(f"== {where.label()} ==\n{text.rstrip()}\n", flush=True)
         for i, worker in enumerate(workers[rank]):
-            print(f"== {worker_label(rank, i, worker)} on {where['hostname']}: {loader_place(worker.stack)} ==\n"
+            print(f"== {worker_label(rank, i, worker)} on {where.host}: {loader_place(worker.stack)} ==\n"
                   f"{worker.stack.rstrip()}\n", flush=True)
 
 

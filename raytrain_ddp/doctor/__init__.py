@@ -1,0 +1,9 @@
+"""The doctor: what is wrong with a run, and where. It runs on the driver (its looks at a rank's
+stack run as Ray tasks on the rank's node), and imports no torch.
+
+- diagnosis.py: the pure reading of the ranks' stacks: where each rank is, who the others wait for.
+- stacks.py: taking the stacks (py-spy, on each rank's node) and ending ranks.
+- stall_watch.py: `raytrain run`'s stall watch; launch_watch.py: `raytrain launch`'s.
+- stragglers.py: which rank is slow, in which part of its steps.
+- ranks.py: the typed record of where a rank runs.
+"""

@@ -1,0 +1,173 @@
+"""Stragglers: which rank is slow, in which part of its steps, and by how much; and whether the ranks'
+times can be compared at all.
+
+Every epoch each rank sends its own seconds in data, forward, backward and comm, in total and per
+window of its steps (worker/part_clock.py). Each pass's first window is left out: it holds the
+loader's start, and in the first epoch the warm-up. Over the windows left, a rank is slow in a part
+when the gap to the others in it
+- persists: the rank is slower in every window, not over one bad stretch;
+- is larger than the noise: its smallest gap in a window exceeds how much the others' own time in
+  the part moves from window to window;
+- matters: 20% or more above the others, by at least 5% of their time in all parts (a few ms of
+  data wait against 1 ms is no straggler).
+"The others" in a window are the median of the other ranks: with 2 ranks, the other rank itself, not
+a mean that the slow rank pulls halfway to itself. Only the ranks' own work (data, forward, backward)
+names a rank: every rank leaves the all-reduce together, so a long `comm` is a rank waiting for a
+slower one, not a slow one (a slow link slows every rank's all-reduce alike).
+
+Ranks whose node has fewer cores than they keep busy (torch threads and loader workers) take turns
+on the cores: their times measure the scheduler, not the ranks. Then no rank is named, and one line
+says so (`crowded`).
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PARTS = ("data", "forward", "backward", "comm")
+SLOWER = 0.20
+"""A rank this much above the others in a part is slow in it ..."""
+FLOOR = 0.05
+"""... when the difference is also at least this share of the others' time in all parts ..."""
+MIN_WINDOWS = 3
+"""... and it held in every one of at least this many windows (an epoch of fewer steps names no one)."""
+OWN = ("data", "forward", "backward")
+"""The parts that are a rank's own work, which alone can name it; `comm` includes waiting for the others."""
+RANK_TIMES = "rank_times.csv"
+"""The run directory's file of every rank's parts, every epoch."""
+RANK_WINDOWS = "rank_windows.csv"
+"""The same per window of each epoch's steps."""
+
+
+@dataclass(frozen=True)
+class Straggler:
+    epoch: int
+    rank: int
+    host: str
+    part: str
+    seconds: float
+    """The rank's seconds in the part this epoch, over the windows judged."""
+    others: float
+    """The others' (the median of the other ranks', window by window)."""
+    windows: int
+    """The windows judged: the rank was slower in each."""
+    peer: int | None
+    """The other rank, when there are 2."""
+
+    def line(self) -> str:
+        slower = f"{self.seconds / self.others - 1:.0%}" if self.others > 0 else "far"
+        than = f"rank {self.peer}" if self.peer is not None else "the other ranks"
+        return (f"straggler: rank {self.rank} on {self.host} is {slower} slower than {than} in {self.part} in epoch "
+                f"{self.epoch}, in each of {self.windows} windows of its steps "
+                f"({self.seconds:.2f} s vs {self.others:.2f} s)")
+
+
+def stragglers(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> list[Straggler]:
+    """The ranks slow in a part of their own work this epoch; none where the ranks share cores."""
+    if len(parts) < 2 or crowded(parts, hosts):
+        return []
+    found = (slow_in(epoch, part, r, parts, hosts) for part in OWN for r in range(len(parts)))
+    return [slow for slow in found if slow is not None]
+
+
+def slow_in(epoch: int, part: str, r: int, parts: list[dict[str, Any]], hosts: list[str]) -> Straggler | None:
+    """Rank r, if it is slow in `part` this epoch (the module's rule), judged on seconds per micro-batch
+    in each window, as the last windows may hold fewer."""
+    i = PARTS.index(part)
+    others = [rank for o, rank in enumerate(parts) if o != r]
+    judged = [w for w in range(1, len(parts[r]["windows"])) if all(rank["window_steps"][w] for rank in parts)]
+    if len(judged) < MIN_WINDOWS:
+        return None
+
+    def per_step(rank: dict[str, Any], w: int) -> list[float]:
+        return [seconds / rank["window_steps"][w] for seconds in rank["windows"][w]]
+
+    mine = [per_step(parts[r], w)[i] for w in judged]
+    theirs = [statistics.median(per_step(rank, w)[i] for rank in others) for w in judged]
+    steps = [statistics.median(sum(per_step(rank, w)) for rank in others) for w in judged]
+    gaps = [m - t for m, t in zip(mine, theirs)]
+    noise = statistics.median(spread([per_step(rank, w)[i] for w in judged]) for rank in others)
+    if min(gaps) <= noise or sum(mine) < (1 + SLOWER) * sum(theirs) or sum(gaps) < FLOOR * sum(steps):
+        return None
+    counts = [parts[r]["window_steps"][w] for w in judged]
+    seconds, others_seconds = (sum(v * n for v, n in zip(values, counts)) for values in (mine, theirs))
+    return Straggler(epoch, r, host_of(hosts, r), part, seconds, others_seconds, len(judged),
+                     1 - r if len(parts) == 2 else None)
+
+
+def spread(values: list[float]) -> float:
+    """How far a rank's time in a part moves from window to window: the largest step between neighbours."""
+    return max(abs(b - a) for a, b in zip(values, values[1:]))
+
+
+def crowded(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
+    """The line for ranks that share their node's cores, which makes their times not comparable; None
+    when every node has a core for each busy thread of its ranks."""
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for r, rank in enumerate(parts):
+        by_host.setdefault(host_of(hosts, r), []).append(rank)
+    said = []
+    for host, ranks in by_host.items():
+        busy = sum(rank["threads"] + rank["loader_workers"] for rank in ranks)
+        cores = max(rank["cores"] for rank in ranks)
+        if len(ranks) > 1 and busy > cores:
+            each = " / ".join(sorted({f"{rank['threads']} torch + {rank['loader_workers']} loader" for rank in ranks}))
+            said.append(f"the {len(ranks)} ranks on {host} keep {busy} threads busy ({each} each) on {cores} cores")
+    if not said:
+        return None
+    return (f"rank times not comparable: {'; '.join(said)}, so they take turns and no rank is named a straggler; "
+            "to compare them, give each rank its own cores "
+            "(fewer --workers per node, --cpus-per-worker or --data-workers)")
+
+
+def unevenness(parts: list[dict[str, Any]]) -> float:
+    """How far the most uneven part stands from its median, as a share of the median rank's time."""
+    if len(parts) < 2:
+        return 0.0
+    total = statistics.median(sum(rank[part] for part in PARTS) for rank in parts) or 1.0
+    return max(
+        (max(rank[part] for rank in parts) - statistics.median(rank[part] for rank in parts)) / total
+        for part in PARTS
+    )
+
+
+def most_uneven(by_epoch: dict[int, list[dict[str, Any]]], hosts: list[str]) -> dict[str, Any] | None:
+    """For summary.json: the epoch whose ranks differed the most, each rank's parts, and its stragglers."""
+    if not by_epoch:
+        return None
+    epoch = max(sorted(by_epoch), key=lambda e: unevenness(by_epoch[e]))
+    parts = by_epoch[epoch]
+    return {
+        "epoch": epoch,
+        "ranks": [{"rank": r, "host": host_of(hosts, r), **{part: rank[part] for part in PARTS}}
+                  for r, rank in enumerate(parts)],
+        "stragglers": [s.line() for s in stragglers(epoch, parts, hosts)],
+    }
+
+
+def write_rank_times(run_dir: Path, by_epoch: dict[int, list[dict[str, Any]]], hosts: list[str]) -> None:
+    """RANK_TIMES: one row per epoch and rank, its seconds in each part and what it keeps busy;
+    RANK_WINDOWS: its seconds per window of the epoch's micro-batches."""
+    seconds = ["data_s", "forward_s", "backward_s", "comm_s"]
+    with open(run_dir / RANK_TIMES, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["epoch", "rank", "host", *seconds, "threads", "loader_workers", "cores"])
+        for epoch in sorted(by_epoch):
+            for r, rank in enumerate(by_epoch[epoch]):
+                busy = [rank["threads"], rank["loader_workers"], rank["cores"]]
+                out.writerow([epoch, r, host_of(hosts, r), *(rank[p] for p in PARTS), *busy])
+    with open(run_dir / RANK_WINDOWS, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["epoch", "window", "rank", "host", "steps", *seconds])
+        for epoch in sorted(by_epoch):
+            for w in range(len(by_epoch[epoch][0]["windows"])):
+                for r, rank in enumerate(by_epoch[epoch]):
+                    out.writerow([epoch, w, r, host_of(hosts, r), rank["window_steps"][w], *rank["windows"][w]])
+
+
+def host_of(hosts: list[str], rank: int) -> str:
+    return hosts[rank] if rank < len(hosts) else "?"  # an epoch of a world larger than the latest
