@@ -26,6 +26,7 @@ PLACEMENTS = ("pack", "spread")
 LOADERS = ("torch", "ray")
 PROGRESS = ("auto", "rich", "plain", "none")
 STRATEGIES = ("ddp", "fsdp")
+HEALTH = ("off", "warn", "exclude")
 SHARDINGS = ("full", "grad-op", "hybrid")
 STOP_GRACE_S = 30.0
 """Seconds a stop (SIGTERM, SIGUSR1, Ctrl-C) waits for the ranks before it ends them, in `run` and
@@ -168,6 +169,12 @@ class TrainConfig:
     not move); past it the run is stalled: the driver dumps
     every rank's stack to <run dir>/stall/, ends the ranks and stops anyway, keeping the last
     checkpoint."""
+    health: str = "warn"
+    """Pre-flight health check, once the ranks meet and before any data or model: every rank times a
+    short GEMM and each node an exchange with a few others (about a second). warn: a node far below
+    the other nodes' median is named in one line, and the run trains on; exclude: the run stops before
+    its first step and records the node in <run dir>/bad_nodes.json (a requeued Slurm job leaves it
+    out); off: no check."""
 
     # --- run identity and outputs ---
     storage_path: str = "./runs"
@@ -249,6 +256,7 @@ class TrainConfig:
             ("loader", LOADERS),
             ("strategy", STRATEGIES),
             ("sharding", SHARDINGS),
+            ("health", HEALTH),
         ):
             if getattr(self, key) not in choices and not (key == "placement" and self.placement is None):
                 raise ConfigError(

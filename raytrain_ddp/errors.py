@@ -6,6 +6,8 @@ EXIT_FAILED = 1
 """Training failed, or a launched script failed without an exit status of its own."""
 EXIT_BAD_INPUT = 2
 """A bad request, refused in one line before any worker starts."""
+EXIT_BAD_NODE = 3
+"""A node was found bad (the run's bad_nodes.json names it): slurm/ray_cluster.sbatch requeues the job without it."""
 EXIT_STOPPED = 75
 """EX_TEMPFAIL: stopped by SIGTERM or SIGUSR1 after a checkpoint; the same command resumes (Slurm requeues)."""
 EXIT_INTERRUPTED = 130

@@ -70,6 +70,11 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     stages = summary["startup"]["stages"]
     assert list(stages) == list(RUN_STAGES) and line == stages_line(stages)
     assert all(seconds >= 0 for seconds in stages.values()) and stages["workers"] > 0
+    # The health check (--health warn by default) ran before the data, on the one node: its figures in
+    # summary.json, and no node named, for there is no other to compare it with.
+    [node] = summary["health"]
+    assert node["ranks"] == [0, 1] and node["gemm_gflops"] > 0 and node["link_gbps"] is None
+    assert "health check:" not in proc.stdout + proc.stderr
     assert summary["startup"]["total_s"] == pytest.approx(summary["first_step_unix"] - launched, abs=1.0)
     # The fast start (ray_compat/controller.py) held: Ray Train started its controller, workers and the actors
     # a run needs, and no PlacementGroupCleaner or DatasetManager (a Ray upgrade could undo it).

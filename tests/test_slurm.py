@@ -35,6 +35,8 @@ SBATCH = REPO / "slurm" / "ray_cluster.sbatch"
 RAY_NODE_SH = REPO / "cluster" / "ray_node.sh"
 LAB = Path(os.environ.get("SLURM_LAB", "/var/tmp/rt-slurm-lab"))
 NODES = ["n1", "n2"]
+SPARE = "n3"
+"""A third node, drained for every test but the bad-node one, which needs a node to move to."""
 JOIN_TIMEOUT_S = 120  # the sbatch default bound
 FINAL_STATES = {
     "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
@@ -178,10 +180,11 @@ def lab() -> Iterator[Lab]:
     # The nodes' /tmp is private: a checkout or venv under /tmp (as in CI) is shared back explicitly.
     share = f"{REPO}:{sys.prefix}"
     up = subprocess.run([str(TESTBED), "up"], capture_output=True, text=True,
-                        env={**os.environ, "SLURM_LAB_SHARE": share})
+                        env={**os.environ, **TESTBED_ENV, "SLURM_LAB_SHARE": share})
     if up.returncode != 0:
         pytest.fail(f"testbed up failed:\n{up.stdout}\n{up.stderr}")
     conf = re.search(r"export SLURM_CONF=(\S+)", up.stdout).group(1)
+    spare(conf, "drain")
     work = LAB / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -194,7 +197,17 @@ def lab() -> Iterator[Lab]:
     try:
         yield Lab(env=env, work=work)
     finally:
-        subprocess.run([str(TESTBED), "down"], capture_output=True, text=True)
+        subprocess.run([str(TESTBED), "down"], capture_output=True, text=True, env={**os.environ, **TESTBED_ENV})
+
+
+TESTBED_ENV = {"SLURM_LAB_NODES": str(len(NODES) + 1)}
+
+
+def spare(conf: str, state: str) -> None:
+    """Drain the spare node (no job lands on it) or resume it."""
+    reason = ["reason=spare: only the bad-node test uses it"] if state == "drain" else []
+    subprocess.run(["scontrol", "update", f"nodename={SPARE}", f"state={state}", *reason],
+                   env={**os.environ, "SLURM_CONF": conf}, check=True, capture_output=True)
 
 
 # ---- driver scripts the jobs run ------------------------------------------------------------
@@ -455,7 +468,7 @@ def test_launch_runs_a_torchrun_script_with_one_rank_per_node(lab: Lab) -> None:
     for rank, env in zip(ranks, envs):
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "1" and env["LOCAL_RANK"] == "0", env
         assert env["GROUP_RANK"] == env["NODE_RANK"], env
-    assert [rank["host"] for rank in ranks] == summary["nodes"]
+    assert [rank["hostname"] for rank in ranks] == summary["nodes"]
     assert sorted(env["NODE_RANK"] for env in envs) == ["0", "1"], envs
     # Every rank meets at rank 0's node, by the address Ray knows it by.
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == summary["node_ips"][0], envs
@@ -490,7 +503,7 @@ def test_launch_ships_a_package_that_only_the_head_node_has(lab: Lab) -> None:
     assert job.state == "COMPLETED", job.log
     assert re.search(r"1 of 2 nodes lack it; shipping /tmp/own-\w+ with", job.log), job.log
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
-    assert sorted(rank["host"] for rank in ranks) == NODES
+    assert sorted(rank["hostname"] for rank in ranks) == NODES
     # Each rank ran in its own unpacked copy of the directory, not in the head's /tmp/own-*.
     assert all(not rank["cwd"].startswith("/tmp/own-") for rank in ranks), ranks
     assert_cleaned_up(lab, job_id)
@@ -775,3 +788,54 @@ def test_elastic_launch_loses_a_node_and_finishes_at_world_size_1(lab: Lab) -> N
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["exit_codes"] == [0] and summary["nodes"] == ["n1"], summary
     assert_cleaned_up(lab, job_id)
+
+
+# ---- a bad node ---------------------------------------------------------------------------------
+
+# The requeued run only warns: on a busy 2-core machine a sound node's GEMM can dip below the bar too,
+# and this test is about the first run's node being left out, not about a second verdict.
+BAD_NODE_SH = """\
+health=warn
+[ "${SLURM_RESTART_COUNT:-0}" = 0 ] && health=exclude
+exec raytrain run --workers 2 --cpus-per-worker 2 --health "$health" --epochs 1 --train-samples 256 \\
+    --val-samples 64 --batch-size 32 --data-workers 0 --progress plain "$@"
+"""
+
+
+def test_a_slow_node_is_named_before_the_first_step_and_the_requeued_job_excludes_it(lab: Lab) -> None:
+    """n2's CPU throttled for real: the health check names it before the first step, the sbatch
+    requeues the job without it, and the job finishes on n1 and the spare n3."""
+    run_dir = lab.work / "runs" / "bad"
+    spare(lab.env["SLURM_CONF"], "resume")
+    testbed = {**os.environ, **TESTBED_ENV}
+    subprocess.run([str(TESTBED), "slow", "n2"], env=testbed, check=True, capture_output=True)
+    try:
+        write(lab, "bad_node.sh", BAD_NODE_SH)
+        job_id = lab.submit("bash", "bad_node.sh", "--storage-path", str(lab.work / "runs"), "--name", "bad",
+                            sbatch_flags=("--nodes=2", "--requeue"))
+        start = time.monotonic()
+        # A second requeue means the first did not leave n2 out: fail then, not after a loop of them.
+        lab.wait_until(job_id, "end", lambda: lab.state(job_id) in FINAL_STATES
+                       or int(lab.field(job_id, "Restarts") or 0) > 1, timeout=480)
+        assert lab.field(job_id, "Restarts") == "1", lab.log(job_id)
+        job = lab.wait(job_id, timeout=480, start=start)
+    finally:
+        subprocess.run([str(TESTBED), "heal", "n2"], env=testbed, check=True, capture_output=True)
+        spare(lab.env["SLURM_CONF"], "drain")
+    print(f"\njob {job_id}: done after {job.seconds:.0f}s")
+
+    assert job.state == "COMPLETED", job.log
+    assert (lab.field(job_id, "Restarts"), lab.field(job_id, "ExcNodeList")) == ("1", "n2"), job.log
+    first, requeued = job.log.split(f"job {job_id} (restart 1):")
+    # Named in the first run, before its first step, which it never took ...
+    assert re.search(r"health check: node n2 \(192\.168\.77\.12\) is far below the other nodes' median: GEMM",
+                     first), first
+    assert "start-up" not in first and "epoch 1" not in first, first
+    assert f"a bad node (exit 3): n2; requeueing job {job_id} held" in first, first
+    assert f"job {job_id} excludes n2 from now on" in first, first
+    # ... kept in the run's history, and the requeued job ran without it.
+    [bad] = json.loads((run_dir / "bad_nodes.json").read_text())
+    assert (bad["host"], bad["slurm_job"], bad["slurm_restart"]) == ("n2", job_id, 0), bad
+    assert "workers n3" in requeued, requeued
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert sorted(summary["nodes"]) == ["n1", SPARE], summary

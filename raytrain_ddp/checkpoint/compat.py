@@ -41,7 +41,7 @@ SILENT = (
     "resize_check_s", "gpu", "cpus_per_worker", "placement", "address", "backend", "wait_for_resources",
     "data_workers", "download", "skip_bad", "amp", "find_unused_parameters", "compile", "checkpoint_every_steps",
     "keep_checkpoints", "resume", "storage_path", "name", "progress", "verbose", "tensorboard", "mlflow",
-    "mlflow_experiment", "wandb", "profile", "stall_timeout", "stop_grace_s",
+    "mlflow_experiment", "wandb", "profile", "stall_timeout", "stop_grace_s", "health",
 )
 
 

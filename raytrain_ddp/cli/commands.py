@@ -14,12 +14,13 @@ import typer
 from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
+from raytrain_ddp.doctor.bad_nodes import requeue_asked
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
 from raytrain_ddp.driver.launch import LAUNCH_FIELDS
 from raytrain_ddp.driver.startup import process_started
-from raytrain_ddp.driver.stops import RankConfigError, Stalled, Stopped
-from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
+from raytrain_ddp.driver.stops import NodeFailed, RankConfigError, Stalled, Stopped
+from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 
 
 @train_options
@@ -49,6 +50,12 @@ def run_command(
     except Stalled as err:  # the ranks are ended, but fit() may block in Ray: end now, as a second Ctrl-C does
         print(f"error: {err}", file=sys.stderr)
         exit_at_once(EXIT_FAILED)
+    except NodeFailed as err:  # under slurm/ray_cluster.sbatch, exit 3 requeues the job without the node
+        print(f"error: {err}", file=sys.stderr)
+        code = EXIT_BAD_NODE if requeue_asked() else EXIT_FAILED
+        if err.at_once:
+            exit_at_once(code)
+        raise typer.Exit(code) from None
     except RankConfigError as err:  # the ranks may be retrying under --max-failures: end now, they die with us
         print(f"error: {err}", file=sys.stderr)
         exit_at_once(EXIT_BAD_INPUT)

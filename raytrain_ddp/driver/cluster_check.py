@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from raytrain_ddp.doctor.health import NodeHealth, slow_nodes, table
 from raytrain_ddp.driver.preflight import layout, wait_for_room
 from raytrain_ddp.driver.session import connect, trainer_configs
 from raytrain_ddp.errors import one_line
@@ -77,4 +78,8 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     print(f"{'size':>10} {'latency us':>12} {'bus GB/s':>10}")
     for size, seconds in reports[0]["timings"]:
         print(f"{size:>10} {seconds * 1e6:>12.1f} {bus_bandwidth_gbps(size, seconds, cfg.workers):>10.3f}")
+    nodes = [NodeHealth.from_json(node) for node in reports[0]["health"]]
+    print("\n".join(table(nodes)))
+    for slow in slow_nodes(nodes):
+        print(slow.line())
     return True

@@ -15,6 +15,8 @@ from typing import Any
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
+from raytrain_ddp.doctor.bad_nodes import blame, crash_hosts, record_bad_node, stall_hosts
+from raytrain_ddp.doctor.health import NodeHealth, slow_nodes
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stack import write_workers
 from raytrain_ddp.doctor.stall_watch import StallWatch
@@ -28,7 +30,7 @@ from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.startup import RUN_STAGES
-from raytrain_ddp.driver.stops import Interrupted, RankConfigError, RayLost, Stopped
+from raytrain_ddp.driver.stops import Interrupted, RankConfigError, RayLost, Stalled, Stopped, UnhealthyNode
 
 POLL_S = 0.5
 """How often the driver asks rank 0's sink for news and passes on a signal it got."""
@@ -100,10 +102,14 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
             error = drive(trainer, signals, news.poll, functools.partial(ask_to_stop, news, display, plan), POLL_S)
         except RayLost as lost:
             raise RayLost(lost.what, kept(plan.run_dir, cfg.name)) from None
+        except Stalled as stalled:  # its culprits' nodes, when they stand apart, are bad
+            culprits = news.stall.stalls[-1].culprits if news.stall.stalls else []
+            found = [(host, f"a stall's culprit: {stalled}") for host in stall_hosts(culprits, hosts(news.info))]
+            raise blame(plan.run_dir, stalled, found, hosts(news.info)) from None
         finally:
             display.close()
         if error is not None:
-            raise error
+            raise blame(plan.run_dir, error, crash_hosts(error, hosts(news.info)), hosts(news.info))  # a node that killed a rank
         summary = finish(plan, news, started, "SIGINT" in signals.received)
     finally:
         trackers.finish(plan.run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
@@ -169,6 +175,7 @@ def finish(plan: RunPlan, news: RunNews, started: float, interrupted: bool) -> d
         profile=[line for _, line in sorted(info.get("profiles", {}).items())] or None,  # --profile, by rank
         most_uneven_epoch=most_uneven(info.get("rank_parts", {}), hosts(info)),  # every rank's parts, and stragglers
         resizes=[{**event, "why": resize_reason(event)} for event in info.get("resizes", [])],
+        health=info.get("health"),  # the pre-flight check's nodes, GEMM and link figures (doctor/health.py)
         stalls=[dataclasses.asdict(report) for report in news.stall.stalls],  # each one Ray Train restarted from
     )
 
@@ -237,11 +244,13 @@ class RunNews:
         self.rows: list[dict[str, Any]] = []
         self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print, restarts(plan.cfg))
         self.stalled: BaseException | None = None
+        self.blamed = 0
+        """The stalls recovered from whose culprits' nodes are recorded bad (blame_recovered)."""
         self.stragglers: set[tuple[int, str]] = set()
         """(rank, part) of the stragglers named so far: each is said once, its epochs are in rank_times.csv."""
         self.crowded = False
         """Whether the ranks were said to share their cores (so no straggler is named): said once."""
-        self.name, self.grace = plan.cfg.name, plan.cfg.stop_grace_s
+        self.name, self.grace, self.health = plan.cfg.name, plan.cfg.stop_grace_s, plan.cfg.health
         self.stopping: str | None = None
         """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
         self.stop_waited = 0.0
@@ -274,11 +283,29 @@ class RunNews:
         now = time.monotonic()
         since, self.polled = now - self.polled, now
         try:
+            self.exclude_unhealthy(info)
             self.stall.check(info.get("ranks", []))
+            self.blame_recovered()
             self.stop_overdue(info, since)
         except (Exception, KeyboardInterrupt) as err:  # Stalled, Stopped; Interrupted is a KeyboardInterrupt
             self.stalled = err
             raise
+
+    def exclude_unhealthy(self, info: dict[str, Any]) -> None:
+        """--health exclude: a node the health check named ends the run before its first step (the ranks
+        leave their loop), recorded bad for a requeued job to leave out."""
+        slow = slow_nodes([NodeHealth.from_json(node) for node in info.get("health", [])])
+        if self.health == "exclude" and slow:
+            raise blame(self.run_dir, UnhealthyNode([s.line() for s in slow]), [(s.node.host, s.line()) for s in slow],
+                        hosts(info))
+
+    def blame_recovered(self) -> None:
+        """A stall Ray Train restarted the ranks from (--max-failures) still names its culprits' nodes
+        bad: the job's next requeue leaves them out."""
+        for report in self.stall.stalls[self.blamed:]:
+            for host in stall_hosts(report.culprits, hosts(self.info)):
+                record_bad_node(self.run_dir, host, f"a stall's culprit: {report.line}")
+        self.blamed = len(self.stall.stalls)
 
     def stop_overdue(self, info: dict[str, Any], since: float) -> None:
         """Stop the run anyway when its ranks did not answer a stop within --stop-grace-s: a rank stuck
@@ -333,6 +360,8 @@ class RunNews:
         if info.get("startup") and info.get("first_step_unix"):
             started = self.clock.ranks_started({**info["startup"], "first step": info["first_step_unix"]})
             lines += [started] if started else []
+        if self.health == "warn" and info.get("health") and info["health"] != was.get("health"):
+            lines += [s.line() for s in slow_nodes([NodeHealth.from_json(node) for node in info["health"]])]
         lines += [line for rank, line in sorted(info.get("profiles", {}).items())
                   if line != was.get("profiles", {}).get(rank)]
         return lines + self.straggler_lines(info)

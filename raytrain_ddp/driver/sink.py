@@ -130,6 +130,10 @@ class Sink:
         """Every rank's seconds in data, forward, backward and communication this epoch (worker/part_clock.py)."""
         self.run.setdefault("rank_parts", {})[epoch] = parts
 
+    def health(self, nodes: list[dict[str, Any]]) -> None:
+        """The pre-flight health check's per-node records (doctor/health.py), before the first step."""
+        self.run["health"] = nodes
+
     def profiled(self, rank: int, line: str) -> None:
         """A rank's --profile line (profiling.py), for the driver to show."""
         self.run.setdefault("profiles", {})[rank] = line

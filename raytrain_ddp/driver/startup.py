@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import time
 
-RUN_STAGES = ("python", "checks", "connect", "placement", "workers", "imports", "process group", "data", "model",
-              "first step")
+RUN_STAGES = ("python", "checks", "connect", "placement", "workers", "imports", "process group", "health", "data",
+              "model", "first step")
 """`raytrain run`'s stages, each ending at its mark: the interpreter and our imports, the request's
 checks (model, data files, resume), connecting to Ray, preflight and layout; then Ray Train's start
 until rank 0 enters our code (controller, worker group, its process group), importing the loop
-(torch), every rank meeting in the first collective, the data loaders, the model (built, wrapped,
-restored), and the first step."""
+(torch), every rank meeting in the first collective, the health check (--health; none when off), the
+data loaders, the model (built, wrapped, restored), and the first step."""
 LAUNCH_STAGES = ("python", "checks", "connect", "placement", "workers", "rendezvous", "script start")
 """`raytrain launch`'s, up to the script's start: the same driver stages, Ray Train's start until rank
 0's agent runs, the ranks meeting in the hub (a fresh rendezvous port), and the script's process

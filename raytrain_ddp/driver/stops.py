@@ -1,7 +1,7 @@
 """The ways a run stops short of its last epoch, as exceptions: each carries the one line the user
 reads, and the CLI maps each to its exit status (cli/__init__.py). Raised by the driver core (a
 signal), the stall watches (doctor/), the session's watch on Ray (a lost cluster), the run's news
-(a rank's bad config)."""
+(a rank's bad config) and the doctor's blame of a bad node."""
 
 from __future__ import annotations
 
@@ -46,3 +46,26 @@ class RayLost(Exception):
 class RankConfigError(ConfigError):
     """A ConfigError a rank raised (a checkpoint that does not load), told through the sink: a retry
     under --max-failures would raise it again, so the run ends at once."""
+
+
+class NodeFailed(RuntimeError):
+    """The run failed, and the nodes it failed on are recorded bad (doctor/bad_nodes.py): under the
+    sbatch, the job requeues without them (EXIT_BAD_NODE); elsewhere it is a failed run."""
+
+    def __init__(self, message: str, hosts: list[str], at_once: bool = False) -> None:
+        super().__init__(message)
+        self.hosts = hosts
+        self.at_once = at_once
+        """As the failure it stands for: the ranks were ended, and fit() may still block in Ray."""
+
+
+class UnhealthyNode(Exception):
+    """--health exclude found a node far below the others (doctor/health.py): the run stops before its
+    first step."""
+
+    at_once = True
+    """The driver stops as the ranks leave their loop: fit() may not have returned yet."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(f"{'; '.join(lines)}; stopped before the first step under --health exclude "
+                         "(--health warn trains on it)")

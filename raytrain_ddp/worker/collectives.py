@@ -1,5 +1,6 @@
 """What `raytrain check` runs on every rank: all-reduce and broadcast checked against known sums,
-then timed at each message size. The driver side (driver/cluster_check.py) prints the verdict.
+then timed at each message size, then the health check's per-node GEMM and link figures. The driver
+side (driver/cluster_check.py) prints the verdict.
 
 The driver imports this module to hand Ray the function, so torch is imported inside it, on the ranks.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import socket
 import time
 from typing import Any
+
+from raytrain_ddp.worker.health_check import health_check
 
 
 def collectives_check(loop_config: dict[str, Any]) -> None:
@@ -47,7 +50,9 @@ def collectives_check(loop_config: dict[str, Any]) -> None:
                 dist.all_reduce(buf)
             sync(device)
             timings.append((size, (time.perf_counter() - start) / iters))
-        report.update(ok=True, backend=dist.get_backend(), timings=timings)
+        nodes = health_check(rank, world, device)  # the same per-node figures a run's --health takes
+        report.update(ok=True, backend=dist.get_backend(), timings=timings,
+                      health=None if nodes is None else [node.to_json() for node in nodes])
     except Exception as err:  # report which rank and node failed, then fail the group
         report.update(ok=False, error=f"{type(err).__name__}: {err}")
         results.put(report)

@@ -32,7 +32,7 @@ from raytrain_ddp.data.batches import Loaders
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.worker import host_sync, parallel
+from raytrain_ddp.worker import health_check, host_sync, parallel
 from raytrain_ddp.worker.control import Control
 from raytrain_ddp.worker.epoch_metrics import all_reduce_means, epoch_resources, epoch_row, evaluate
 from raytrain_ddp.worker.models import model_builder
@@ -112,6 +112,10 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
     ranks = where_ranks_run(world_size)
     marks["process group"] = time.time()  # every rank has arrived (and NCCL made its communicator)
+    if cfg.health != "off":
+        if not health_check.before_training(cfg.health, sink, rank, world_size, device):
+            return  # --health exclude named a node: the driver ends the run, before any data or model
+        marks["health"] = time.time()
 
     # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
     build_data = dataset_builder(cfg.dataset, given.get("dataset"))

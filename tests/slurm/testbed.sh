@@ -5,6 +5,8 @@
 #   tests/slurm/testbed.sh up       # start (idempotent; running daemons keep their config); prints `export SLURM_CONF=...`
 #   tests/slurm/testbed.sh status   # nodes, daemons, queue
 #   tests/slurm/testbed.sh down     # stop daemons, delete namespaces (idempotent)
+#   tests/slurm/testbed.sh slow n2  # throttle node n2's CPU to SLURM_LAB_SLOW_PCT% of one core, for real
+#   tests/slurm/testbed.sh heal n2  # lift the throttle (`down` lifts every node's)
 #
 # One slurmctld runs on the host. Each node nI runs its own slurmd inside a
 # network namespace (IP SUBNET.(10+I) on bridge BRIDGE), a UTS namespace
@@ -33,6 +35,7 @@ CTLD_PORT=${SLURM_LAB_CTLD_PORT:-6817}
 SLURMD_PORT=${SLURM_LAB_SLURMD_PORT:-6818}
 UP_TIMEOUT=${SLURM_LAB_UP_TIMEOUT:-60}       # seconds to wait for all nodes idle
 CRED_EXPIRE=${SLURM_LAB_CRED_EXPIRE:-20}     # step credential lifetime; a requeued job waits this + 1 s
+SLOW_PCT=${SLURM_LAB_SLOW_PCT:-20}           # `slow`: a throttled node's share of one core (at 10 Ray fails to start)
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SHARE=${SLURM_LAB_SHARE:-$REPO_ROOT${VIRTUAL_ENV:+:$VIRTUAL_ENV}}  # host paths the nodes must see, ':'-separated
 
@@ -244,6 +247,51 @@ wait_idle() {
     done
 }
 
+# ---- a slow node: a CPU quota on everything in its namespace ----------------------
+# A cgroup per throttled node, under the cpu controller (v1: cpu.cfs_quota_us; v2: cpu.max). Its
+# slurmd and every process running in the node move in; the steps slurmd starts later inherit it.
+CG_PREFIX=rt-slurm-lab-
+cpu_cgroup_root() {
+    if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then echo /sys/fs/cgroup/cpu
+    elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then echo /sys/fs/cgroup
+    else return 1; fi
+}
+
+node_number() {   # nI -> I, or fail
+    [[ $1 =~ ^n([0-9]+)$ ]] && ((BASH_REMATCH[1] >= 1 && BASH_REMATCH[1] <= NODES)) || die "no node $1 (n1..n$NODES)"
+    echo "${BASH_REMATCH[1]}"
+}
+
+cmd_slow() {
+    local node=$1 root cg pid
+    node_number "$node" >/dev/null
+    [[ -e /run/netns/${NS_PREFIX}$node ]] || die "node $node is not up"
+    root=$(cpu_cgroup_root) || die "no cgroup cpu controller to throttle with"
+    cg=$root/$CG_PREFIX$node
+    mkdir -p "$cg"
+    if [[ -e $cg/cpu.cfs_quota_us ]]; then
+        echo 100000 >"$cg/cpu.cfs_period_us"
+        echo $((SLOW_PCT * 1000)) >"$cg/cpu.cfs_quota_us"
+    else
+        grep -qw cpu "$root/cgroup.subtree_control" || echo +cpu >"$root/cgroup.subtree_control"
+        echo "$((SLOW_PCT * 1000)) 100000" >"$cg/cpu.max"
+    fi
+    for pid in $(ip netns pids "${NS_PREFIX}$node"); do echo "$pid" >"$cg/cgroup.procs" 2>/dev/null || true; done
+    log "$node throttled to ${SLOW_PCT}% of one core ($cg)"
+}
+
+cmd_heal() {
+    local node=$1 root cg pid
+    root=$(cpu_cgroup_root) || return 0
+    cg=$root/$CG_PREFIX$node
+    [[ -d $cg ]] || return 0
+    # Unthrottled first: a process that cannot be moved out (exiting meanwhile) keeps running at full speed.
+    if [[ -e $cg/cpu.cfs_quota_us ]]; then echo -1 >"$cg/cpu.cfs_quota_us"; else echo max >"$cg/cpu.max"; fi
+    while read -r pid; do echo "$pid" >"$root/cgroup.procs" 2>/dev/null || true; done <"$cg/cgroup.procs"
+    rmdir "$cg" 2>/dev/null || log "$node: $cg still holds processes; left in place, unthrottled"
+    log "$node healed"
+}
+
 # ---- commands --------------------------------------------------------------------
 cmd_up() {
     preflight
@@ -299,6 +347,7 @@ cmd_down() {
     stop_namespace_processes TERM
     for ((t = 0; t < 50; t++)); do namespaces_empty && break; sleep 0.2; done
     stop_namespace_processes KILL
+    for ((i = 1; i <= NODES; i++)); do cmd_heal "n$i"; done
     stop_pidfile "$LAB/slurmctld.pid"
     teardown_network
     # Job state is disposable; keep logs for post-mortems until the next `up`.
@@ -323,5 +372,7 @@ case ${1:-} in
     up) cmd_up ;;
     down) cmd_down ;;
     status) cmd_status ;;
-    *) die "usage: $0 up|down|status" ;;
+    slow) cmd_slow "${2:?usage: $0 slow NODE}" ;;
+    heal) cmd_heal "${2:?usage: $0 heal NODE}" ;;
+    *) die "usage: $0 up|down|status|slow NODE|heal NODE" ;;
 esac

@@ -1,0 +1,87 @@
+"""The pre-flight health check: the verdict on figures (doctor/health.py) and the pairing of nodes
+(worker/health_check.py). A node made slow for real, named before the first step and left out when
+the job requeues, is tests/test_slurm.py's; the quiet one-node case (its stage, summary.json's
+figures) is checked in test_cli.py's run."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_ddp.doctor.health import NodeHealth, slow_nodes, table
+from raytrain_ddp.driver.stops import UnhealthyNode
+from raytrain_ddp.worker.health_check import pairings, shares_cores
+
+
+def node(i: int, gemm: float, link: float | None = None, gpu: bool = False, shared: bool = False) -> NodeHealth:
+    return NodeHealth(f"n{i}", f"10.0.0.{i}", (i,), gemm, link, gpu, shared)
+
+
+def test_one_node_is_never_named():
+    assert slow_nodes([node(0, 1.0, None)]) == []
+
+
+def test_two_nodes_compare_with_each_other_not_their_mean():
+    # 60 vs 100: 40% below the other node; against the pair's mean (80) it would be only 25% below.
+    [slow] = slow_nodes([node(0, 100.0), node(1, 60.0)])
+    assert slow.line() == ("health check: node n1 (10.0.0.1) is far below the other nodes' median: "
+                           "GEMM 60.0 GFLOPS vs 100.0 GFLOPS")
+
+
+def test_two_nodes_links_name_neither():
+    # Their one exchange is timed on both sides; a starved peer's side differed 2x here (0.03 vs 0.07).
+    assert slow_nodes([node(0, 26.0, 0.03), node(1, 25.0, 0.07)]) == []
+
+
+def test_spread_seen_between_sound_nodes_names_none():
+    # Figures measured on this machine (docs/troubleshooting.md): GEMM 14% apart between two quiet
+    # ranks, and four "nodes'" links on one loaded host, the lowest 0.64 of the others' median.
+    nodes = [node(0, 97.23, 0.992), node(1, 83.58, 1.625), node(2, 90.0, 1.559), node(3, 95.0, 1.379)]
+    assert slow_nodes(nodes) == []
+
+
+def test_a_slow_link_and_a_slow_gpu_are_named_on_their_own_nodes():
+    nodes = [node(0, 700e3, 40.0, gpu=True), node(1, 690e3, 4.0, gpu=True), node(2, 300e3, 39.0, gpu=True),
+             node(3, 710e3, 41.0, gpu=True)]
+    lines = [s.line() for s in slow_nodes(nodes)]
+    assert lines == [
+        "health check: node n1 (10.0.0.1) is far below the other nodes' median: link 4.00 GB/s vs 40.00 GB/s",
+        "health check: node n2 (10.0.0.2) is far below the other nodes' median: GEMM 300.0 TFLOPS vs 700.0 TFLOPS",
+    ]
+    error = str(UnhealthyNode([s.line() for s in slow_nodes(nodes)]))
+    assert "\n" not in error and error.endswith("stopped before the first step under --health exclude "
+                                                "(--health warn trains on it)")
+
+
+def test_nodes_whose_ranks_share_cores_are_not_judged_by_their_gemm():
+    assert slow_nodes([node(0, 100.0, shared=True), node(1, 20.0, shared=True)]) == []
+    assert [line.split()[0] for line in table([node(0, 100.0, 2.0), node(1, 20.0, 2.0)])] == ["node", "n0", "n1"]
+    assert table([node(0, 100.0, 2.0), node(1, 20.0, 2.0)])[2].endswith("SLOW")
+
+
+def rank(host: str, cores: list[int], threads: int = 1) -> dict:
+    return {"host": host, "cores": cores, "threads": threads}
+
+
+def test_ranks_share_cores_when_their_threads_outnumber_the_cores_they_may_run_on():
+    quick_start = [rank("vm", [0, 1]), rank("vm", [0, 1])]  # 2 ranks x 1 thread on 2 cores: one node
+    assert not shares_cores(quick_start, quick_start)
+    four = [rank("vm", [0, 1]) for _ in range(4)]  # four Ray nodes side by side on one 2-core host
+    assert shares_cores(four[:1], four)
+    pinned, free = rank("vm", [1]), rank("vm", [0, 1])  # a Ray node pinned to core 1, another on both
+    assert not shares_cores([pinned], [pinned, free]) and not shares_cores([free], [pinned, free])
+    assert not shares_cores([rank("a", [0, 1], 2)], [rank("a", [0, 1], 2), rank("b", [0, 1], 2)])  # other hosts
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 8])
+def test_pairings_are_disjoint_rounds_that_never_repeat_a_pair(count):
+    rounds = pairings(count)
+    assert len(rounds) == min(3, count - 1 + count % 2)
+    seen = set()
+    for pairs in rounds:
+        members = [n for pair in pairs for n in pair]
+        assert len(members) == len(set(members)) and set(members) <= set(range(count))
+        assert not seen & {frozenset(p) for p in pairs}
+        seen |= {frozenset(p) for p in pairs}
+    # With three nodes or more, every node meets at least two partners: one slow partner cannot hide it.
+    if count >= 3:
+        assert all(sum(n in pair for pairs in rounds for pair in pairs) >= 2 for n in range(count))
