@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SLOW_S = 10
+SLOW_S = 12
 compiled = []
 
 
@@ -54,14 +54,14 @@ class SlowThenCompiles(nn.Module):
 
 @pytest.mark.e2e
 def test_a_slow_first_step_and_a_long_compile_are_said_once_and_the_run_finishes(ray_head, tmp_path: Path):
-    """Every rank sleeps 10 s in its first forward, then rank 1 compiles for 10 s while rank 0 waits
-    in DDP's all-reduce, under --stall-timeout 4: the run finishes, with one line for each."""
+    """Every rank sleeps 12 s in its first forward, then rank 1 compiles for 12 s while rank 0 waits
+    in DDP's all-reduce, under --stall-timeout 6: the run finishes, with one line for each."""
     (tmp_path / "slow.py").write_text(SLOW_PY)
     try:
         proc = raytrain(
             "run", "--model", "slow:SlowThenCompiles", "--workers", "2", "--epochs", "1", "--train-samples", "128",
             "--val-samples", "32", "--batch-size", "16", "--data-workers", "0", "--progress", "plain",
-            "--stall-timeout", "4", "--storage-path", str(tmp_path / "runs"), "--name", "slow",
+            "--stall-timeout", "6", "--storage-path", str(tmp_path / "runs"), "--name", "slow",
             env=ray_head.env, cwd=tmp_path, timeout=300,
         )
     except subprocess.TimeoutExpired:
