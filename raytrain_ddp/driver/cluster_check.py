@@ -79,7 +79,7 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     for size, seconds in reports[0]["timings"]:
         print(f"{size:>10} {seconds * 1e6:>12.1f} {bus_bandwidth_gbps(size, seconds, cfg.workers):>10.3f}")
     nodes = [NodeHealth.from_json(node) for node in reports[0]["health"]]
-    print("\n".join(table(nodes)))
+    print("\n" + "\n".join(table(nodes)))  # the health check's per-node figures, as a run's start judges them
     for slow in slow_nodes(nodes):
         print(slow.line())
     return True

@@ -21,9 +21,16 @@ def test_healthy_cluster_passes(ray_head):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "token auth on" in proc.stdout
     assert "PASS  all-reduce and broadcast on 2 ranks (gloo)" in proc.stdout
-    table = proc.stdout.split("bus GB/s")[1].strip().splitlines()
+    bandwidth, health = proc.stdout.split("bus GB/s")[1].strip().split("\n\n")[:2]
+    table = bandwidth.splitlines()
     assert [int(line.split()[0]) for line in table] == [1 << 10, 1 << 16, 1 << 20, 1 << 24]
     assert all(float(line.split()[1]) > 0 for line in table)
+    # Then the health check's table: one node, its GEMM figure, no link (no other node to exchange with).
+    header, *nodes = health.splitlines()
+    assert header.split() == ["node", "ranks", "GEMM", "GFLOPS", "link", "GB/s"], health
+    [node] = nodes
+    *_, ranks, gemm, link = node.removesuffix("  (cores shared)").split()
+    assert ranks == "2" and float(gemm) > 0 and link == "-", health
 
 
 @pytest.mark.e2e
