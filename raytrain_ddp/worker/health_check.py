@@ -31,17 +31,15 @@ EXCHANGES = 5
 """Timed exchanges per pairing, after one that sets up the connection."""
 
 
-def health_check(rank: int, world_size: int, device: Any, host: str | None = None,
-                 ip: str | None = None) -> list[NodeHealth] | None:
-    """Run the check on this rank; every rank must call it. Rank 0 gets the nodes, in the order of
-    their first rank; the others None. `host` and `ip` default to this node's (tests pass their own,
-    to be several nodes on one machine)."""
+def health_check(rank: int, world_size: int, device: Any) -> list[NodeHealth] | None:
+    """Run the check on this rank; every rank must call it. Rank 0 gets the nodes (by Ray's node IP),
+    in the order of their first rank; the others None."""
     import ray
     import torch
     import torch.distributed as dist
 
     gpu = device.type == "cuda"
-    mine = {"rank": rank, "host": host or socket.gethostname(), "ip": ip or ray.util.get_node_ip_address(),
+    mine = {"rank": rank, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
             "gflops": gemm_gflops(device), "threads": 0 if gpu else torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0))}
     everyone = [mine] * world_size
