@@ -294,8 +294,9 @@ class RunNews:
     def exclude_unhealthy(self, info: dict[str, Any]) -> None:
         """--health exclude: a node the health check named ends the run before its first step (the ranks
         leave their loop), recorded bad for a requeued job to leave out."""
-        slow = slow_nodes([NodeHealth.from_json(node) for node in info.get("health", [])])
-        if self.health == "exclude" and slow:
+        if self.health != "exclude" or not info.get("health"):
+            return  # every poll passes here: judge only what there is to judge
+        if slow := slow_nodes([NodeHealth.from_json(node) for node in info["health"]]):
             raise blame(self.run_dir, UnhealthyNode([s.line() for s in slow]), [(s.node.host, s.line()) for s in slow],
                         hosts(info))
 
