@@ -29,6 +29,7 @@ from raytrain_ddp.cli.commands import (
     run_command,
     scale_command,
     stack_command,
+    sweep_command,
     verify_command,
 )
 from raytrain_ddp.cli.data import convert_command
@@ -66,6 +67,7 @@ def add(group: typer.Typer, name: str, command: Callable[..., Any], **settings: 
 
 add(app, "run", run_command)
 add(app, "scale", scale_command)
+add(app, "sweep", sweep_command)
 add(app, "launch", launch_command, context_settings=REST_IS_THE_SCRIPTS)
 add(app, "submit", submit_command, context_settings=REST_IS_THE_SCRIPTS)
 add(app, "status", status_command)

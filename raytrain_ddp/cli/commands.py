@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -13,7 +14,7 @@ import typer
 
 from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.cli.usage_errors import finite_float
-from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
+from raytrain_ddp.config import SCHEDULERS, STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.doctor.bad_nodes import requeue_asked
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
@@ -64,6 +65,63 @@ def run_command(
         f"done: {summary['world_size']} {summary['backend']} workers, val acc {final['val_acc']:.3f}, "
         f"{final['throughput']:.1f} samples/s, {summary['wall_time_s']:.1f} s -> {summary['run_dir']}"
     )
+
+
+SWEEP_OWN = ("--space", "--trials", "--concurrent", "--scheduler", "--metric", "--mode", "--grace-epochs", "--eta")
+"""sweep's own options, each with a value: not run flags, so not in the command that reproduces a trial."""
+
+
+@train_options(own_flags=("scheduler",))
+def sweep_command(
+    cfg: TrainConfig,
+    space: Path = typer.Option(..., "--space", help="YAML file: each key a run option's field, each value "
+                               "{loguniform|uniform|randint: [lo, hi]} or {choice|grid: [values]} (docs/sweep.md)."),
+    trials: int = typer.Option(8, "--trials", help="Samples drawn from the space (each repeats its grid keys); --seed fixes them."),
+    concurrent: str = typer.Option("auto", "--concurrent", help="Trials at once: a number, or auto (as many as the cluster's free resources fit)."),
+    scheduler: list[str] = typer.Option(
+        [], "--scheduler", metavar="fifo|asha|LR", help="The trials' scheduler: fifo (default; every trial to its end) or asha (stops the weak ones "
+        "early). none, step or cosine: the runs' LR schedule, as in run. Give it twice for both."),
+    metric: str = typer.Option("val_acc", "--metric", help="What ranks trials: val_acc, val_loss, train_acc or train_loss."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="max or min (default: the metric's)."),
+    grace_epochs: int = typer.Option(1, "--grace-epochs", help="ASHA: epochs every trial gets before it can be stopped."),
+    eta: int = typer.Option(3, "--eta", help="ASHA: each rung keeps the best 1/eta of the trials."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the trials and the plan; start nothing."),
+) -> None:
+    """Run a hyperparameter sweep: trials drawn from --space, each a full `raytrain run` with these run
+    options, packed into the cluster, with early stopping (--scheduler asha); the same command resumes it."""
+    from raytrain_ddp.driver.sweep import SweepConfig, sweep
+
+    if concurrent != "auto" and not concurrent.isdigit():
+        raise ConfigError(f"--concurrent takes a number of trials or auto (got {concurrent!r})")
+    trial_scheduler = [s for s in scheduler if s not in SCHEDULERS] or ["fifo"]  # SweepConfig checks it
+    if lr := [s for s in scheduler if s in SCHEDULERS]:
+        cfg = dataclasses.replace(cfg, scheduler=lr[-1])
+    sc = SweepConfig(space=space, trials=trials, concurrent=None if concurrent == "auto" else int(concurrent),
+                     scheduler=trial_scheduler[-1], metric=metric, mode=mode, grace_epochs=grace_epochs, eta=eta, dry_run=dry_run)
+    try:
+        summary = sweep(cfg, sc, run_flags(sys.argv[sys.argv.index("sweep") + 1:] if "sweep" in sys.argv else []))
+    except KeyboardInterrupt as err:  # stops.Interrupted says how to resume
+        print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if summary is not None and summary["trials"]["failed"] == summary["trials"]["total"]:
+        print(f"error: every trial failed; each one's log is {summary['sweep_dir']}/trials/<trial>.log", file=sys.stderr)
+        raise typer.Exit(EXIT_FAILED)
+
+
+def run_flags(argv: list[str]) -> list[str]:
+    """The run options of a sweep's command line: the words that are not sweep's own (nor --debug)."""
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        flag, _, value = word.partition("=")
+        if skip:
+            skip = False
+        elif flag == "--scheduler" and (value or (argv[i + 1] if i + 1 < len(argv) else "")) in SCHEDULERS:
+            out.append(word)  # the runs' LR schedule
+        elif flag in SWEEP_OWN:
+            skip = not value
+        elif word not in ("--dry-run", "--debug"):
+            out.append(word)
+    return out
 
 
 @train_options(own_flags=("workers", "strategy", "sharding"))

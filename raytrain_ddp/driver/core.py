@@ -72,6 +72,10 @@ class Signals:
         if self.received:
             raise Stopped(f"got {self.first} before any rank started; nothing to stop")
 
+    def ask(self, name: str) -> None:
+        """A stop asked for from another thread, as if signal `name` had come (a sweep stopping its trial)."""
+        self.received.append(name)
+
     @property
     def first(self) -> str | None:
         return self.received[0] if self.received else None

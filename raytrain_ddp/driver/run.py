@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
@@ -51,26 +51,30 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"{scaling}\n{run_config}\n{torch_config}")
 
 
-def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: float | None = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: float | None = None,
+        signals: Signals | None = None, on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
     (the Python API) override cfg's: a name, an import path, or a callable. `launched`: when the
     command began (the CLI's process start), so the start-up stages count its imports; default now.
     Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
-    checkpoints, then raises Stopped."""
+    checkpoints, then raises Stopped. `signals`: where a caller that is not the main thread (a
+    sweep's trial) asks for those stops (Signals.ask); `on_rows`: given every epoch's row so far, each
+    time a new one comes."""
     started = time.time()
     start_private_ray(cfg)  # without --address: it starts while the request is checked
-    with Signals() as signals:
+    with signals or Signals() as signals:
         plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start)
         try:
             code_paths, code_env = user_code(plan.code)
             ship_code(plan.cfg, code_env)
             signals.stop_before_start()
-            return train(plan, signals, code_paths, started, launched)
+            return train(plan, signals, code_paths, started, launched, on_rows)
         finally:
             run_lock.release(plan.run_dir)  # the Python API's process lives on: another driver may have the name
 
 
-def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None) -> dict[str, Any]:
+def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None,
+          on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Start the trainer and watch it to its end; the summary, or why the run did not finish."""
     from ray.train.torch import TorchTrainer
 
@@ -95,7 +99,7 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
         dataset_config=ray_data_config(cfg),
     )
     announce(plan, display)
-    news = RunNews(sink, display, plan, trackers, StartupClock(launched, started, plan, RUN_STAGES))
+    news = RunNews(sink, display, plan, trackers, StartupClock(launched, started, plan, RUN_STAGES), on_rows)
     summary = None
     try:
         try:
@@ -237,8 +241,10 @@ class RunNews:
     """Rank 0's news, polled from the sink by the driver core: the display, the metrics files, the
     trackers, and the lines for what happened (a resume, a drain, a resize, the start-up stages)."""
 
-    def __init__(self, sink: Any, display: Display, plan: RunPlan, trackers: Any, clock: StartupClock) -> None:
+    def __init__(self, sink: Any, display: Display, plan: RunPlan, trackers: Any, clock: StartupClock,
+                 on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.sink, self.display, self.run_dir, self.trackers, self.clock = sink, display, plan.run_dir, trackers, clock
+        self.on_rows = on_rows
         self.tensorboard = tensorboard_writer(plan.run_dir) if plan.cfg.tensorboard else None
         self.info: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
@@ -345,6 +351,8 @@ class RunNews:
                         self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
             self.tensorboard.flush()
         self.trackers.log_rows(fresh)
+        if self.on_rows is not None and fresh:
+            self.on_rows(rows)
 
     def lines(self, info: dict[str, Any]) -> list[str]:
         """What changed since the last poll, as lines for the user."""

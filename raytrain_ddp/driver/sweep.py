@@ -1,0 +1,317 @@
+"""`raytrain sweep`: many runs of one base config, their parameters drawn from a space file, packed
+into the cluster the sweep has, with Ray Tune's schedulers (FIFO, or ASHA's early stopping).
+
+The trials are sampled once, up front, by Tune's own generator (sweep_space.py), and kept in
+<storage-path>/<name>/sweep.json, so a dry run lists what the sweep will run and a rerun of the same
+command goes on with the same trials. Tune runs them (a trial is a whole `raytrain run`,
+sweep_trial.py), decides the cuts and keeps its experiment state in tune/, which a rerun restores:
+finished and stopped trials stay as they ended, unfinished ones resume from their own checkpoints.
+What the user reads and the files at the end are sweep_report.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver import run_lock, session
+from raytrain_ddp.driver.metrics import read_csv, write_json
+from raytrain_ddp.driver.preflight import resolve_run
+from raytrain_ddp.driver.stops import Interrupted, Stopped
+from raytrain_ddp.driver.sweep_report import fmt, say
+
+METRICS = {"val_acc": "max", "train_acc": "max", "val_loss": "min", "train_loss": "min"}
+"""What a sweep may rank trials by, with the mode that each is best in."""
+SCHEDULERS = ("fifo", "asha")
+VOLATILE = ("address", "progress", "verbose", "wait_for_resources", "resume", "name", "storage_path")
+"""Base-config fields a rerun may change without changing what the trials train."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The sweep's own options; the runs' are the base TrainConfig."""
+
+    space: Path
+    """The space file (YAML): each key a TrainConfig field, each value {loguniform|uniform|randint: [lo, hi]}
+    or {choice|grid: [values]} (docs/sweep.md)."""
+    trials: int = 8
+    """Samples drawn from the space; each repeats the grid, so trials x the grid's size run."""
+    concurrent: int | None = None
+    """Trials at once; None (auto): as many as the cluster's free resources fit."""
+    scheduler: str = "fifo"
+    """fifo runs every trial to its end; asha stops the weak ones at each rung (Ray Tune's ASHA)."""
+    metric: str = "val_acc"
+    """The epoch metric trials are ranked by: val_acc, val_loss, train_acc or train_loss."""
+    mode: str | None = None
+    """max or min; default: the metric's (max for accuracies, min for losses)."""
+    grace_epochs: int = 1
+    """ASHA: the epochs every trial gets before it can be cut (the first rung)."""
+    eta: int = 3
+    """ASHA: the reduction factor; each rung keeps the best 1/eta, and rungs are eta times apart."""
+    dry_run: bool = False
+    """List the trials and the plan; start nothing."""
+
+    def __post_init__(self) -> None:
+        if self.trials < 1:
+            raise ConfigError(f"--trials must be at least 1 (got {self.trials})")
+        if self.concurrent is not None and self.concurrent < 1:
+            raise ConfigError(f"--concurrent takes a number of trials at least 1, or auto (got {self.concurrent})")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"--scheduler must be one of {', '.join(SCHEDULERS)} (got {self.scheduler!r})")
+        if self.metric not in METRICS:
+            raise ConfigError(f"--metric must be one of {', '.join(METRICS)} (got {self.metric!r})")
+        if self.mode not in (None, "max", "min"):
+            raise ConfigError(f"--mode must be max or min (got {self.mode!r})")
+        if self.grace_epochs < 1:
+            raise ConfigError(f"--grace-epochs must be at least 1 (got {self.grace_epochs})")
+        if self.eta < 2:
+            raise ConfigError(f"--eta must be at least 2 (got {self.eta})")
+
+    @property
+    def best_is(self) -> str:
+        return self.mode or METRICS[self.metric]
+
+
+@dataclass(frozen=True)
+class Trial:
+    id: str
+    """t00, t01, ...: its run's name, and its directory under trials/."""
+    params: dict[str, Any]
+    """The sampled TrainConfig fields."""
+    cfg: TrainConfig
+    """The base config with them: what its run trains (its name and directory are set in its actor)."""
+
+
+def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, Any] | None:
+    """Run the sweep (or, with --dry-run, list it); write results.csv, summary.json and the plots.
+    `run_args`: the run flags given on the command line, for the command that reproduces a trial.
+    Returns the summary; raises Interrupted (Ctrl-C) or Stopped (SIGTERM, SIGUSR1) after the trials
+    checkpointed, for a rerun to resume."""
+    from raytrain_ddp.driver.sweep_space import describe, load_space
+
+    if base.name is None:
+        raise ConfigError("raytrain sweep needs --name: the sweep's directory, and what a rerun of it resumes")
+    base, sweep_dir = resolve_run(base)
+    # A trial's workers take the CPUs the packing gave them, not a run's share of what is free when
+    # it starts (which would leave the next trial waiting)
+    base = dataclasses.replace(base, cpus_per_worker=base.cpus_per_worker or 1)
+    space = load_space(sc.space, base)
+    trials = sample(space, sc, base)
+    if not any(word.startswith("--cpus-per-worker") for word in run_args):
+        run_args = [*run_args, "--cpus-per-worker", str(base.cpus_per_worker)]  # the trial's, for its command
+    if sc.dry_run:
+        return list_trials(trials, sc, describe(space), sweep_dir)
+    session.start_private_ray(base)  # it starts while the sweep is planned
+    run_lock.take(sweep_dir)
+    try:
+        keep_plan(sweep_dir, base, trials, sc)
+        session.connect(base)
+        return run_trials(base, sc, trials, sweep_dir, describe(space), run_args)
+    finally:
+        run_lock.release(sweep_dir)
+
+
+def sample(space: Any, sc: SweepConfig, base: TrainConfig) -> list[Trial]:
+    """The sweep's trials, each checked as a whole config: a space's ends may pass alone and not
+    together (a batch size the accumulation does not divide)."""
+    from raytrain_ddp.driver.sweep_space import sample_trials
+
+    trials = []
+    for i, params in enumerate(sample_trials(space, sc.trials, base.seed)):
+        tid = f"t{i:02d}" if sc.trials * space.grid_size <= 100 else f"t{i:03d}"
+        try:
+            cfg = dataclasses.replace(base, **params)
+        except ConfigError as err:
+            raise ConfigError(f"{sc.space}: trial {tid} ({fmt(params)}): {err}") from None
+        trials.append(Trial(tid, params, cfg))
+    if sc.scheduler == "asha" and sc.grace_epochs >= base.epochs:
+        raise ConfigError(
+            f"--scheduler asha cuts trials after --grace-epochs {sc.grace_epochs}, but each trains only --epochs "
+            f"{base.epochs}; lower --grace-epochs or raise --epochs"
+        )
+    return trials
+
+
+def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Path) -> None:
+    """--dry-run: the plan, printed; nothing started."""
+    print(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
+    for trial in trials:
+        print(f"  {trial.id}: {fmt(trial.params)}  ({trial.cfg.workers} workers)")
+    at_once = sc.concurrent or "as many as the cluster's free resources fit"
+    print(f"concurrent: {at_once}; trials in {sweep_dir / 'trials'}")
+    return None
+
+
+def keep_plan(sweep_dir: Path, base: TrainConfig, trials: list[Trial], sc: SweepConfig) -> None:
+    """sweep.json: the trials and the base config. A rerun must ask for the same ones: it resumes them."""
+    plan = {
+        "trials": [{"id": t.id, "params": t.params} for t in trials],
+        "base": {k: v for k, v in base.to_dict().items() if k not in VOLATILE},
+        "scheduler": sc.scheduler, "metric": sc.metric, "mode": sc.best_is,
+    }
+    path = sweep_dir / "sweep.json"
+    if path.exists():
+        was = json.loads(path.read_text())
+        if not base.resume:
+            raise ConfigError(
+                f"a sweep named {sweep_dir.name} is in {sweep_dir} and --no-resume would start it again; "
+                "pass a new --name (or move that directory away)"
+            )
+        if plan != was:
+            what = [k for k in plan if plan[k] != was.get(k)]
+            raise ConfigError(
+                f"the sweep {sweep_dir.name} in {sweep_dir} was started with another {' and '.join(what)}; rerun it "
+                "with the same space, --trials, --seed and run flags to resume it, or pass a new --name"
+            )
+        return
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_json(path, plan)
+
+
+def packing(trials: list[Trial], sc: SweepConfig) -> tuple[int, int, str]:
+    """(trials at once, worker slots the allocation has, the line that says how it is split)."""
+    from raytrain_ddp.driver import resources
+
+    biggest = max(trials, key=lambda t: t.cfg.workers).cfg
+    cpus, gpu = biggest.cpus_per_worker or 1, biggest.gpu
+    use = resources.node_use(settle_s=resources.SETTLE_S)
+    free = [n["free"] for n in use]
+    slots = resources.room(cpus, gpu, free)
+    fits = slots // biggest.workers
+    if fits == 0:
+        kind = "GPU" if gpu else "CPU"
+        raise ConfigError(
+            f"a trial of {biggest.workers} workers x {cpus} CPU{' and a GPU' if gpu else ''} does not fit in the "
+            f"cluster's free resources ({slots} such workers fit); lower --workers or --cpus-per-worker, or add {kind}s"
+        )
+    at_once = min(sc.concurrent or fits, fits, len(trials))
+    free_cpus = sum(int(n.get("CPU", 0)) for n in free)
+    unit = f"{biggest.workers} worker{'s' if biggest.workers > 1 else ''} x {cpus} CPU{'s' if cpus > 1 else ''}"
+    unit += " + 1 GPU each" if gpu else ""
+    line = f"{at_once} trial{'s' if at_once > 1 else ''} at once, each {unit}, in {free_cpus} free CPUs on {len(free)} node{'s' if len(free) > 1 else ''}"
+    idle = slots - at_once * biggest.workers
+    if idle:
+        why = "--concurrent" if sc.concurrent and sc.concurrent < fits else f"a trial of {biggest.workers} workers"
+        line += f"; {idle} worker slot{'s' if idle > 1 else ''} left idle ({why} leaves them)"
+    if sc.concurrent and sc.concurrent > fits:
+        line += f"; --concurrent {sc.concurrent} is more than fit, so {fits}"
+    cpu_left = free_cpus - slots * cpus
+    if cpu_left > 0:
+        line += f"; {cpu_left} CPU{'s' if cpu_left > 1 else ''} fit no whole worker of {cpus} CPUs"
+    return at_once, slots, line
+
+
+def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, space: str,
+               run_args: list[str]) -> dict[str, Any]:
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from raytrain_ddp.driver.sweep_lines import RECEIVED, SweepLines, stop_signals, trial_name
+    from raytrain_ddp.driver.sweep_trial import TrialRun
+
+    at_once, slots, split = packing(trials, sc)
+    say(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
+    say(f"packing: {split}")
+    # A trial's actor is its driver: on this node (it dies with a lost node otherwise), and holding
+    # nothing, since its run's workers reserve their own.
+    here = tune.PlacementGroupFactory([{"CPU": 0, f"node:{ray.util.get_node_ip_address()}": 0.001}])
+    trainable = tune.with_resources(TrialRun, here)
+    tune_dir = sweep_dir / "tune"
+    began = time.time()
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"  # a trial's heartbeat step carries no metric
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")  # the state a killed sweep resumes from: seconds old  # Tune's own tables: the sweep says its own lines
+    if not base.verbose:  # each trial's failure is one line of ours; Tune's tracebacks stay in its logs
+        for name in ("ray.tune", "ray.air"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    RECEIVED.clear()  # the Python API may sweep again in this process
+    if tune.Tuner.can_restore(str(tune_dir)):
+        say(f"resuming sweep {sweep_dir.name}: finished and stopped trials are kept, the rest go on from their checkpoints")
+        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        scheduler = (
+            ASHAScheduler(time_attr="epoch", max_t=base.epochs, grace_period=sc.grace_epochs, reduction_factor=sc.eta,
+                          stop_last_trials=False)  # a trial's last epoch ends it: no cut as it finishes
+            if sc.scheduler == "asha" else FIFOScheduler()
+        )
+        cwd = os.getcwd()
+        entries = [{"id": t.id, "params": t.params} for t in trials]
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"trial": tune.grid_search(entries), "base": base.to_dict(), "cwd": cwd,
+                         "trials_dir": str(sweep_dir / "trials")},
+            tune_config=tune.TuneConfig(
+                metric=sc.metric, mode=sc.best_is, scheduler=scheduler, num_samples=1,
+                max_concurrent_trials=at_once, reuse_actors=False,
+                trial_name_creator=trial_name, trial_dirname_creator=trial_name,
+            ),
+            run_config=tune.RunConfig(
+                name="tune", storage_path=str(sweep_dir), verbose=0,
+                callbacks=[SweepLines(str(sweep_dir), sc.metric, sc.best_is, base.epochs, rungs(sc, base.epochs))],
+                failure_config=tune.FailureConfig(max_failures=0),
+            ),
+        )
+    with stop_signals():
+        tuner.fit()
+    summary = report(trials, sc, sweep_dir, run_args, slots, began, time.time(), rungs(sc, base.epochs))
+    if RECEIVED:
+        how = f"rerun the same command (same --storage-path and --name {sweep_dir.name}) to resume it"
+        message = f"the sweep stopped on {RECEIVED[0]}, its running trials checkpointed; {how}"
+        raise Interrupted(message) if RECEIVED[0] == "SIGINT" else Stopped(message)
+    return summary
+
+
+def rungs(sc: SweepConfig, epochs: int) -> list[int]:
+    """The epochs at which ASHA judges trials: grace x eta^k below the last epoch (its one bracket)."""
+    if sc.scheduler != "asha":
+        return []
+    out, at = [], sc.grace_epochs
+    while at < epochs:
+        out.append(at)
+        at *= sc.eta
+    return out
+
+
+def report(trials: list[Trial], sc: SweepConfig, sweep_dir: Path, run_args: list[str], slots: int,
+           began: float, ended: float, rung_epochs: list[int]) -> dict[str, Any]:
+    """The table, results.csv, summary.json and the plots, from every trial's files."""
+    from raytrain_ddp.checkpoint.files import latest_checkpoint
+    from raytrain_ddp.driver import sweep_report as out
+    from raytrain_ddp.driver.sweep_lines import read_outcome
+
+    path = sweep_dir / "status.json"
+    statuses = json.loads(path.read_text()) if path.exists() else {}
+    records = []
+    for trial in trials:
+        run_dir = sweep_dir / "trials" / trial.id
+        outcome = read_outcome(sweep_dir / "trials", trial.id)
+        rows = read_csv(run_dir / "metrics.csv") if (run_dir / "metrics.csv").exists() else []
+        said = outcome.get("status") if outcome.get("status") in ("finished", "failed") else None
+        status = statuses.get(trial.id) or said or ("stopped" if outcome else "pending")
+        checkpoint = latest_checkpoint(run_dir) if run_dir.exists() else None
+        records.append(out.TrialRecord(
+            trial=trial.id, params=trial.params, status=status, rows=rows, workers=trial.cfg.workers,
+            started=outcome.get("started"), ended=outcome.get("ended"),
+            error=outcome.get("line") if status == "failed" else None,
+            checkpoint=str(checkpoint) if checkpoint else None,
+        ))
+    print(out.table(records, sc.metric, sc.best_is))
+    out.write_results_csv(sweep_dir / "results.csv", records, sc.metric, sc.best_is)
+    out.plot_curves(sweep_dir / "curves.png", records, sc.metric, sc.best_is, rung_epochs)
+    out.plot_parallel(sweep_dir / "parallel.png", records, sc.metric, sc.best_is)
+    idle = out.idle_share(slots, began, ended, records)
+    summary = out.write_summary(sweep_dir / "summary.json", records, sc.metric, sc.best_is, run_args, {
+        "name": sweep_dir.name, "sweep_dir": str(sweep_dir), "scheduler": sc.scheduler, "worker_slots": slots,
+        "idle_share": round(idle, 4), "wall_time_s": round(ended - began, 3),
+    })
+    say(f"{idle:.0%} of the allocation's worker-seconds sat idle; results -> {sweep_dir / 'results.csv'}, "
+        f"plots -> {sweep_dir / 'curves.png'}, {sweep_dir / 'parallel.png'}")
+    return summary

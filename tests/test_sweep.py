@@ -1,0 +1,95 @@
+"""`raytrain sweep` on the shared Ray head: ASHA's cut at concurrency 1 (ray-project/ray#54305's
+deadlock), a driver killed mid-sweep and resumed, and no placement group left behind either way."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import raytrain
+
+pytestmark = pytest.mark.e2e
+
+RUN = ["--train-samples", "256", "--val-samples", "64", "--batch-size", "32", "--data-workers", "0",
+       "--progress", "plain", "--workers", "1", "--health", "off"]
+"""Each trial: one worker on one CPU, a few seconds an epoch."""
+
+
+def live_groups(env: dict[str, str]) -> list[str]:
+    """The states of the head's placement groups that still hold (or wait for) resources."""
+    code = ("import json, ray; ray.init(logging_level='ERROR'); "
+            "print(json.dumps([g['state'] for g in ray.util.placement_group_table().values()]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [state for state in json.loads(out.stdout.strip().splitlines()[-1]) if state != "REMOVED"]
+
+
+def results(sweep_dir: Path) -> dict[str, dict[str, str]]:
+    with open(sweep_dir / "results.csv", newline="") as f:
+        return {row["trial"]: row for row in csv.DictReader(f)}
+
+
+def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_group(ray_head, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("lr: {grid: [0.01, 0.3]}\n")  # t01 overshoots in its first epoch: val_loss in the tens
+    done = raytrain("sweep", "--space", str(space), "--trials", "1", "--concurrent", "1", "--scheduler", "asha",
+                    "--eta", "2", "--metric", "val_loss", "--epochs", "3", "--name", "cut",
+                    "--storage-path", str(tmp_path), *RUN, env=ray_head.env, timeout=400)
+    assert done.returncode == 0, done.stderr
+    err = done.stderr
+    assert "packing: 1 trial at once, each 1 worker x 1 CPU" in err, err
+    assert "trial t01 stopped early by ASHA after epoch 1: val_loss" in err, err
+    assert "trial t00 finished: 3 epochs" in err, err
+    sweep_dir = tmp_path / "cut"
+    table = results(sweep_dir)
+    assert (table["t00"]["status"], table["t01"]["status"]) == ("finished", "stopped early"), table
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert summary["best"]["trial"] == "t00" and "--lr 0.01 " in summary["best"]["command"], summary
+    assert "* " in done.stdout and "best: t00" in done.stdout, done.stdout  # the table, best marked
+    for plot in ("curves.png", "parallel.png"):
+        assert (sweep_dir / plot).stat().st_size > 10_000
+    assert live_groups(ray_head.env) == []
+
+
+def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("epochs: {grid: [1, 6]}\n")  # t00 ends at once; t01 is mid-run when the driver dies
+    args = ["sweep", "--space", str(space), "--trials", "1", "--concurrent", "2", "--name", "killed",
+            "--storage-path", str(tmp_path), *RUN]
+    trials = tmp_path / "killed" / "trials"
+    driver = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", *args], env=ray_head.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (finished(trials, "t00") and list((trials / "t01").glob("checkpoint_*"))):
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline, "t00 never finished, or t01 never checkpointed"
+        time.sleep(0.5)
+    driver.send_signal(signal.SIGKILL)
+    driver.communicate(timeout=30)
+    first_start = json.loads((trials / "t00.json").read_text())["started"]
+
+    again = raytrain(*args, env=ray_head.env, timeout=400)
+    assert again.returncode == 0, again.stderr
+    assert "resuming sweep killed" in again.stderr, again.stderr
+    assert "trial t00" not in again.stderr and "trial t01 resumed from its checkpoint" in again.stderr, again.stderr
+    assert json.loads((trials / "t00.json").read_text())["started"] == first_start
+    assert "resumed from the checkpoint" in (trials / "t01.log").read_text()
+    table = results(tmp_path / "killed")
+    assert [table[t]["status"] for t in ("t00", "t01")] == ["finished", "finished"], table
+    epochs = [row["epoch"] for row in csv.DictReader(open(trials / "t01" / "metrics.csv"))]
+    assert epochs == [str(e) for e in range(1, 7)], epochs  # every epoch once: resumed, not restarted
+    assert live_groups(ray_head.env) == []
+
+
+def finished(trials: Path, trial: str) -> bool:
+    try:
+        return json.loads((trials / f"{trial}.json").read_text())["status"] == "finished"
+    except (OSError, ValueError):
+        return False
