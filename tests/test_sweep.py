@@ -40,7 +40,7 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     space = tmp_path / "space.yaml"
     space.write_text("lr: {grid: [0.01, 0.3]}\n")  # t01 overshoots in its first epoch: val_loss in the tens
     done = raytrain("sweep", "--space", str(space), "--trials", "1", "--concurrent", "1", "--scheduler", "asha",
-                    "--eta", "2", "--metric", "val_loss", "--epochs", "3", "--name", "cut",
+                    "--eta", "2", "--metric", "val_loss", "--epochs", "3", "--name", "cut", "--mlflow",
                     "--storage-path", str(tmp_path), *RUN, env=ray_head.env, timeout=400)
     assert done.returncode == 0, done.stderr
     err = done.stderr
@@ -56,6 +56,13 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     for plot in ("curves.png", "parallel.png"):
         assert (sweep_dir / plot).stat().st_size > 10_000
     assert live_groups(ray_head.env) == []
+    # MLflow: one run per trial, in one experiment named for the sweep, in the sweep's own store
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{sweep_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("cut")
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(run.info.run_name for run in runs) == ["t00", "t01"]
 
 
 def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):

@@ -52,21 +52,24 @@ def dry_run(cfg: TrainConfig) -> None:
 
 
 def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: float | None = None,
-        signals: Signals | None = None, on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+        signals: Signals | None = None, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
+        code_paths: list[str] | None = None) -> dict[str, Any]:
     """Train, write metrics.csv and summary.json, and return the summary. `model` and `dataset`
     (the Python API) override cfg's: a name, an import path, or a callable. `launched`: when the
     command began (the CLI's process start), so the start-up stages count its imports; default now.
     Ctrl-C checkpoints, then raises Interrupted (a KeyboardInterrupt); SIGTERM or SIGUSR1
     checkpoints, then raises Stopped. `signals`: where a caller that is not the main thread (a
     sweep's trial) asks for those stops (Signals.ask); `on_rows`: given every epoch's row so far, each
-    time a new one comes."""
+    time a new one comes; `code_paths`: where the workers import the user's --model/--dataset from,
+    when the caller placed the code already (a sweep, once for all its trials)."""
     started = time.time()
     start_private_ray(cfg)  # without --address: it starts while the request is checked
     with signals or Signals() as signals:
         plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start)
         try:
-            code_paths, code_env = user_code(plan.code)
-            ship_code(plan.cfg, code_env)
+            if code_paths is None:
+                code_paths, code_env = user_code(plan.code)
+                ship_code(plan.cfg, code_env)
             signals.stop_before_start()
             return train(plan, signals, code_paths, started, launched, on_rows)
         finally:

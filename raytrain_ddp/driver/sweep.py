@@ -24,6 +24,7 @@ from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver import run_lock, session
 from raytrain_ddp.driver.metrics import read_csv, write_json
 from raytrain_ddp.driver.preflight import resolve_run
+from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.stops import Interrupted, Stopped
 from raytrain_ddp.driver.sweep_report import fmt, say
 
@@ -104,6 +105,7 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     base = dataclasses.replace(base, cpus_per_worker=base.cpus_per_worker or 1)
     space = load_space(sc.space, base)
     trials = sample(space, sc, base)
+    code = check_trials(trials, sweep_dir)
     if not any(word.startswith("--cpus-per-worker") for word in run_args):
         run_args = [*run_args, "--cpus-per-worker", str(base.cpus_per_worker)]  # the trial's, for its command
     if sc.dry_run:
@@ -113,7 +115,9 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     try:
         keep_plan(sweep_dir, base, trials, sc)
         session.connect(base)
-        return run_trials(base, sc, trials, sweep_dir, describe(space), run_args)
+        code_paths, code_env = user_code(code)
+        ship_code(base, code_env)  # once, before any trial: every trial's actor and worker is of this job
+        return run_trials(base, sc, trials, sweep_dir, describe(space), run_args, code_paths)
     finally:
         run_lock.release(sweep_dir)
 
@@ -137,6 +141,35 @@ def sample(space: Any, sc: SweepConfig, base: TrainConfig) -> list[Trial]:
             f"{base.epochs}; lower --grace-epochs or raise --epochs"
         )
     return trials
+
+
+CHECKED_BY_PARTS = ("model", "dataset", "data_dir", "image_size", "num_classes", "download", "loader", "train_samples",
+                    "val_samples", "mlflow", "wandb")
+"""The fields preflight's checks of the model, the data and the trackers read: a trial that varies
+none of them passes what another passed."""
+
+
+def check_trials(trials: list[Trial], sweep_dir: Path) -> dict[str, tuple[Path, Path]]:
+    """The checks that need no cluster, once for each distinct model, data and trackers among the
+    trials, before Ray starts: a bad --model in one trial is found now, not an hour in. Returns the
+    user's --model/--dataset modules (RunPlan.code), which the sweep places on the nodes once."""
+    from raytrain_ddp.driver.preflight import check_request
+
+    seen: set[tuple[Any, ...]] = set()
+    code: dict[str, tuple[Path, Path]] = {}
+    for trial in trials:
+        key = tuple(getattr(trial.cfg, name, None) for name in CHECKED_BY_PARTS)
+        if key in seen:
+            continue
+        seen.add(key)
+        cfg = dataclasses.replace(trial.cfg, name=trial.id, storage_path=str(sweep_dir / "trials"), resume=False)
+        try:
+            code.update(check_request(cfg, dry=True).code)
+        except ConfigError as err:
+            if not set(trial.params) & set(CHECKED_BY_PARTS):
+                raise  # the base's, as `raytrain run` would say it
+            raise ConfigError(f"trial {trial.id} ({fmt(trial.params)}): {err}") from None
+    return code
 
 
 def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Path) -> None:
@@ -165,9 +198,10 @@ def keep_plan(sweep_dir: Path, base: TrainConfig, trials: list[Trial], sc: Sweep
                 "pass a new --name (or move that directory away)"
             )
         if plan != was:
-            what = [k for k in plan if plan[k] != was.get(k)]
+            words = {"trials": "set of trials", "base": "run flags"}
+            what = [words.get(k, f"--{k}") for k in plan if plan[k] != was.get(k)]
             raise ConfigError(
-                f"the sweep {sweep_dir.name} in {sweep_dir} was started with another {' and '.join(what)}; rerun it "
+                f"the sweep {sweep_dir.name} in {sweep_dir} was started with other {' and '.join(what)}; rerun it "
                 "with the same space, --trials, --seed and run flags to resume it, or pass a new --name"
             )
         return
@@ -175,41 +209,41 @@ def keep_plan(sweep_dir: Path, base: TrainConfig, trials: list[Trial], sc: Sweep
     write_json(path, plan)
 
 
-def packing(trials: list[Trial], sc: SweepConfig) -> tuple[int, int, str]:
-    """(trials at once, worker slots the allocation has, the line that says how it is split)."""
-    from raytrain_ddp.driver import resources
+def packing(trials: list[Trial], sc: SweepConfig, free: list[dict[str, float]]) -> tuple[int, int, str]:
+    """(trials at once, worker slots the allocation has, the line that says how it is split), from the
+    free resources of each node (Ray resources dicts). Every trial is sized as the biggest."""
+    from raytrain_ddp.driver.resources import room
 
-    biggest = max(trials, key=lambda t: t.cfg.workers).cfg
+    biggest = max(trials, key=lambda t: (t.cfg.workers * (t.cfg.cpus_per_worker or 1), t.cfg.workers)).cfg
     cpus, gpu = biggest.cpus_per_worker or 1, biggest.gpu
-    use = resources.node_use(settle_s=resources.SETTLE_S)
-    free = [n["free"] for n in use]
-    slots = resources.room(cpus, gpu, free)
+    slots = room(cpus, gpu, free)
     fits = slots // biggest.workers
+    unit = f"{biggest.workers} worker{'s' if biggest.workers > 1 else ''} x {cpus} CPU{'s' if cpus > 1 else ''}"
+    unit += " + 1 GPU each" if gpu else ""
     if fits == 0:
-        kind = "GPU" if gpu else "CPU"
         raise ConfigError(
-            f"a trial of {biggest.workers} workers x {cpus} CPU{' and a GPU' if gpu else ''} does not fit in the "
-            f"cluster's free resources ({slots} such workers fit); lower --workers or --cpus-per-worker, or add {kind}s"
+            f"a trial of {unit} does not fit in the cluster's free resources ({slots} such workers fit); lower "
+            f"--workers or --cpus-per-worker, or add {'GPU' if gpu else 'CPU'}s"
         )
     at_once = min(sc.concurrent or fits, fits, len(trials))
     free_cpus = sum(int(n.get("CPU", 0)) for n in free)
-    unit = f"{biggest.workers} worker{'s' if biggest.workers > 1 else ''} x {cpus} CPU{'s' if cpus > 1 else ''}"
-    unit += " + 1 GPU each" if gpu else ""
-    line = f"{at_once} trial{'s' if at_once > 1 else ''} at once, each {unit}, in {free_cpus} free CPUs on {len(free)} node{'s' if len(free) > 1 else ''}"
-    idle = slots - at_once * biggest.workers
-    if idle:
-        why = "--concurrent" if sc.concurrent and sc.concurrent < fits else f"a trial of {biggest.workers} workers"
+    nodes = f"{len(free)} node{'s' if len(free) > 1 else ''}"
+    line = f"{at_once} trial{'s' if at_once > 1 else ''} at once, each {unit}, in {free_cpus} free CPUs on {nodes}"
+    if idle := slots - at_once * biggest.workers:
+        if at_once < fits:
+            why = "--concurrent" if sc.concurrent == at_once else f"{len(trials)} trials"
+        else:
+            why = f"a trial of {biggest.workers} workers"
         line += f"; {idle} worker slot{'s' if idle > 1 else ''} left idle ({why} leaves them)"
     if sc.concurrent and sc.concurrent > fits:
         line += f"; --concurrent {sc.concurrent} is more than fit, so {fits}"
-    cpu_left = free_cpus - slots * cpus
-    if cpu_left > 0:
-        line += f"; {cpu_left} CPU{'s' if cpu_left > 1 else ''} fit no whole worker of {cpus} CPUs"
+    if (left := free_cpus - slots * cpus) > 0 and not gpu:
+        line += f"; {left} CPU{'s' if left > 1 else ''} fit no whole worker of {cpus} CPUs"
     return at_once, slots, line
 
 
 def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, space: str,
-               run_args: list[str]) -> dict[str, Any]:
+               run_args: list[str], code_paths: list[str]) -> dict[str, Any]:
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -217,7 +251,9 @@ def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_di
     from raytrain_ddp.driver.sweep_lines import RECEIVED, SweepLines, stop_signals, trial_name
     from raytrain_ddp.driver.sweep_trial import TrialRun
 
-    at_once, slots, split = packing(trials, sc)
+    from raytrain_ddp.driver.resources import SETTLE_S, node_use
+
+    at_once, slots, split = packing(trials, sc, [n["free"] for n in node_use(settle_s=SETTLE_S)])
     say(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
     say(f"packing: {split}")
     # A trial's actor is its driver: on this node (it dies with a lost node otherwise), and holding
@@ -247,7 +283,7 @@ def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_di
         tuner = tune.Tuner(
             trainable,
             param_space={"trial": tune.grid_search(entries), "base": base.to_dict(), "cwd": cwd,
-                         "trials_dir": str(sweep_dir / "trials")},
+                         "trials_dir": str(sweep_dir / "trials"), "code_paths": code_paths},
             tune_config=tune.TuneConfig(
                 metric=sc.metric, mode=sc.best_is, scheduler=scheduler, num_samples=1,
                 max_concurrent_trials=at_once, reuse_actors=False,

@@ -45,13 +45,23 @@ def trial_config(config: dict[str, Any]) -> TrainConfig:
 
     trial = config["trial"]
     base = config["base"]
+    sweep = Path(config["trials_dir"]).parent.name
     values = {
         **base, **trial["params"], "name": trial["id"], "storage_path": config["trials_dir"], "resume": True,
         "address": ray.get_runtime_context().gcs_address, "progress": "plain",
         # A trial starts as another one ends: its workers' placement group is on its way out
         "wait_for_resources": max(base["wait_for_resources"], LEFTOVER_WAIT_S),
+        # MLflow: the trials are runs of one experiment, named for the sweep (unless one was named)
+        "mlflow_experiment": sweep if base["mlflow_experiment"] == "raytrain" else base["mlflow_experiment"],
     }
     return TrainConfig.from_dict(values)
+
+
+def group_trackers(sweep_dir: Path) -> None:
+    """W&B groups the trials' runs under the sweep's name; MLflow's local store is the sweep's, one
+    for all its trials (a tracking server the user set is left as it is)."""
+    os.environ.setdefault("WANDB_RUN_GROUP", sweep_dir.name)
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{sweep_dir / 'mlflow.db'}")
 
 
 def outcome_path(trials_dir: str | Path, trial: str) -> Path:
@@ -87,6 +97,8 @@ class TrialRun(tune.Trainable):
         log.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout = sys.stderr = open(log, "a", buffering=1)  # one trial per actor: its lines, in its log
         self.cfg = trial_config(config)
+        group_trackers(Path(self.trials_dir).parent)
+        self.code_paths = config["code_paths"]
         self.kept = ended_before(self.trials_dir, self.id)
         self.signals = Signals()
         self.rows: queue.Queue[list[dict[str, Any]] | None] = queue.Queue()
@@ -106,7 +118,7 @@ class TrialRun(tune.Trainable):
         from raytrain_ddp.driver.run import run
 
         try:
-            summary = run(self.cfg, signals=self.signals, on_rows=self.rows.put)
+            summary = run(self.cfg, signals=self.signals, on_rows=self.rows.put, code_paths=self.code_paths)
             self.status, self.line = "finished", f"val acc {summary['final']['val_acc']:.3f}"
         except (Stopped, Interrupted) as err:
             self.status, self.line = "stopped", str(err)
