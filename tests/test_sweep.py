@@ -41,7 +41,7 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     space.write_text("lr: {grid: [0.01, 0.3]}\n")  # t01 overshoots in its first epoch: val_loss in the tens
     done = raytrain("sweep", "--space", str(space), "--trials", "1", "--concurrent", "1", "--scheduler", "asha",
                     "--eta", "2", "--metric", "val_loss", "--epochs", "3", "--name", "cut", "--mlflow",
-                    "--storage-path", str(tmp_path), *RUN, env=ray_head.env, timeout=400)
+                    "--storage-path", str(tmp_path), *RUN, env=ray_head.env, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "packing: 1 trial at once, each 1 worker x 1 CPU" in err, err
@@ -63,6 +63,7 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     experiment = client.get_experiment_by_name("cut")
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(run.info.run_name for run in runs) == ["t00", "t01"]
+    assert (sweep_dir / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()  # beside the store, not in the cwd
 
 
 def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):

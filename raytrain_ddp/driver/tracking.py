@@ -81,9 +81,7 @@ class MLflow:
         if run_id is None:
             experiment = self.client.get_experiment_by_name(cfg.mlflow_experiment)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                cfg.mlflow_experiment,
-                # An sqlite store would put artifacts under the cwd, not next to the run.
-                None if os.environ.get("MLFLOW_TRACKING_URI") else (run_dir.absolute() / "mlartifacts").as_uri(),
+                cfg.mlflow_experiment, artifacts_beside(uri),
             )
             run_id = self.client.create_run(experiment_id, run_name=cfg.name).info.run_id
             # Only once: MLflow refuses to change a param, and a resumed run may change, say, --epochs.
@@ -103,6 +101,14 @@ class MLflow:
         if summary.exists():
             self.client.log_artifact(self.run_id, str(summary))
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def artifacts_beside(uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside an sqlite store's file (MLflow would put them
+    under the cwd), or where the tracking server says (None)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
 
 
 class WandB:
