@@ -244,65 +244,71 @@ def packing(trials: list[Trial], sc: SweepConfig, free: list[dict[str, float]]) 
 
 def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, space: str,
                run_args: list[str], code_paths: list[str]) -> dict[str, Any]:
-    import ray
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
-
-    from raytrain_ddp.driver.sweep_lines import RECEIVED, SweepLines, stop_signals, trial_name
-    from raytrain_ddp.driver.sweep_trial import TrialRun
-
+    """Split the cluster, hand the trials to Tune (or restore its state), and report at the end."""
     from raytrain_ddp.driver.resources import SETTLE_S, node_use
+    from raytrain_ddp.driver.sweep_lines import RECEIVED, stop_signals
 
     at_once, slots, split = packing(trials, sc, [n["free"] for n in node_use(settle_s=SETTLE_S)])
     say(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
     say(f"packing: {split}")
-    # A trial's actor is its driver: on this node (it dies with a lost node otherwise), and holding
-    # nothing, since its run's workers reserve their own.
-    here = tune.PlacementGroupFactory([{"CPU": 0, f"node:{ray.util.get_node_ip_address()}": 0.001}])
-    trainable = tune.with_resources(TrialRun, here)
-    tune_dir = sweep_dir / "tune"
-    began = time.time()
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"  # a trial's heartbeat step carries no metric
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")  # the state a killed sweep resumes from: seconds old  # Tune's own tables: the sweep says its own lines
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's own tables: the sweep says its own lines
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")  # the state a killed sweep resumes from: seconds old
     if not base.verbose:  # each trial's failure is one line of ours; Tune's tracebacks stay in its logs
         for name in ("ray.tune", "ray.air"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     RECEIVED.clear()  # the Python API may sweep again in this process
-    if tune.Tuner.can_restore(str(tune_dir)):
-        say(f"resuming sweep {sweep_dir.name}: finished and stopped trials are kept, the rest go on from their checkpoints")
-        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
-    else:
-        scheduler = (
-            ASHAScheduler(time_attr="epoch", max_t=base.epochs, grace_period=sc.grace_epochs, reduction_factor=sc.eta,
-                          stop_last_trials=False)  # a trial's last epoch ends it: no cut as it finishes
-            if sc.scheduler == "asha" else FIFOScheduler()
-        )
-        cwd = os.getcwd()
-        entries = [{"id": t.id, "params": t.params} for t in trials]
-        tuner = tune.Tuner(
-            trainable,
-            param_space={"trial": tune.grid_search(entries), "base": base.to_dict(), "cwd": cwd,
-                         "trials_dir": str(sweep_dir / "trials"), "code_paths": code_paths},
-            tune_config=tune.TuneConfig(
-                metric=sc.metric, mode=sc.best_is, scheduler=scheduler, num_samples=1,
-                max_concurrent_trials=at_once, reuse_actors=False,
-                trial_name_creator=trial_name, trial_dirname_creator=trial_name,
-            ),
-            run_config=tune.RunConfig(
-                name="tune", storage_path=str(sweep_dir), verbose=0,
-                callbacks=[SweepLines(str(sweep_dir), sc.metric, sc.best_is, base.epochs, rungs(sc, base.epochs))],
-                failure_config=tune.FailureConfig(max_failures=0),
-            ),
-        )
+    began = time.time()
     with stop_signals():
-        tuner.fit()
+        tuner(base, sc, trials, sweep_dir, at_once, code_paths).fit()
     summary = report(trials, sc, sweep_dir, run_args, slots, began, time.time(), rungs(sc, base.epochs))
     if RECEIVED:
         how = f"rerun the same command (same --storage-path and --name {sweep_dir.name}) to resume it"
         message = f"the sweep stopped on {RECEIVED[0]}, its running trials checkpointed; {how}"
         raise Interrupted(message) if RECEIVED[0] == "SIGINT" else Stopped(message)
     return summary
+
+
+def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, at_once: int,
+          code_paths: list[str]) -> Any:
+    """Ray Tune's Tuner over exactly these trials (a grid of them), or the one a stopped sweep saved."""
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from raytrain_ddp.driver.sweep_lines import SweepLines, trial_name
+    from raytrain_ddp.driver.sweep_trial import TrialRun
+
+    # A trial's actor is its driver: on this node (on another it would die with that node), and
+    # holding nothing, since its run's workers reserve their own.
+    node = ray.get_runtime_context().get_node_id()
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), None)
+    trainable = tune.with_resources(TrialRun, tune.PlacementGroupFactory([{"CPU": 0, f"node:{ip}": 0.001} if ip else {"CPU": 0}]))
+    tune_dir = sweep_dir / "tune"
+    if tune.Tuner.can_restore(str(tune_dir)):
+        say(f"resuming sweep {sweep_dir.name}: finished and stopped trials are kept, the rest go on from their checkpoints")
+        return tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+    scheduler = (
+        ASHAScheduler(time_attr="epoch", max_t=base.epochs, grace_period=sc.grace_epochs, reduction_factor=sc.eta,
+                      stop_last_trials=False)  # a trial's last epoch ends it: no cut as it finishes
+        if sc.scheduler == "asha" else FIFOScheduler()
+    )
+    return tune.Tuner(
+        trainable,
+        param_space={
+            "trial": tune.grid_search([{"id": t.id, "params": t.params} for t in trials]),
+            "base": base.to_dict(), "cwd": os.getcwd(), "trials_dir": str(sweep_dir / "trials"), "code_paths": code_paths,
+        },
+        tune_config=tune.TuneConfig(
+            metric=sc.metric, mode=sc.best_is, scheduler=scheduler, num_samples=1, max_concurrent_trials=at_once,
+            reuse_actors=False, trial_name_creator=trial_name, trial_dirname_creator=trial_name,
+        ),
+        run_config=tune.RunConfig(
+            name="tune", storage_path=str(sweep_dir), verbose=0,
+            callbacks=[SweepLines(str(sweep_dir), sc.metric, sc.best_is, base.epochs, rungs(sc, base.epochs))],
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
 
 
 def rungs(sc: SweepConfig, epochs: int) -> list[int]:
