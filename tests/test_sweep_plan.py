@@ -41,6 +41,13 @@ def test_packing_splits_the_free_resources_and_says_what_it_leaves():
         packing(trials(2, workers=2, gpu=True), sc, [{"CPU": 16, "GPU": 1}])
 
 
+def test_an_elastic_base_is_refused(tmp_path):
+    from raytrain_ddp.driver.sweep import sweep
+
+    with pytest.raises(ConfigError, match="give --workers N, not 2:4"):
+        sweep(TrainConfig(workers=2, max_workers=4, name="x", storage_path=str(tmp_path)), SweepConfig(space=tmp_path / "s.yaml"), [])
+
+
 def test_rungs_are_grace_times_eta_below_the_last_epoch():
     asha = SweepConfig(space=Path("s.yaml"), scheduler="asha", grace_epochs=1, eta=3)
     assert rungs(asha, 27) == [1, 3, 9] and rungs(asha, 3) == [1]

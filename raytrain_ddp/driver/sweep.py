@@ -99,6 +99,11 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
 
     if base.name is None:
         raise ConfigError("raytrain sweep needs --name: the sweep's directory, and what a rerun of it resumes")
+    if base.elastic:
+        raise ConfigError(
+            f"a sweep's trials have a fixed size, which the packing splits the cluster by; give --workers N, not "
+            f"{base.workers}:{base.max_workers}"
+        )
     base, sweep_dir = resolve_run(base)
     # A trial's workers take the CPUs the packing gave them, not a run's share of what is free when
     # it starts (which would leave the next trial waiting)
