@@ -674,6 +674,66 @@ def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
     assert_cleaned_up(lab, job_id, restarts=1)
 
 
+# Two trials of one 2-CPU worker: one per node, so the sweep spans both; the trials' actors are
+# on the head. Checkpoints every 4 steps, so the stop lands mid-epoch, soon after the signal.
+PREEMPT_SWEEP = ("raytrain", "sweep", "--trials", "1", "--workers", "1", "--cpus-per-worker", "2",
+                 "--epochs", "2", "--train-samples", "384", "--val-samples", "64", "--batch-size", "32",
+                 "--checkpoint-every-steps", "4", "--health", "off", "--data-workers", "0", "--progress", "plain")
+
+
+def test_preempted_sweep_requeues_and_resumes_its_trials(lab: Lab) -> None:
+    sweep_dir, trials = lab.work / "runs" / "sweep-pre", ["t00", "t01"]
+    write(lab, "sweep_space.yaml", "lr: {grid: [0.01, 0.05]}\n")
+    job_id = lab.submit(*PREEMPT_SWEEP, "--space", str(lab.work / "sweep_space.yaml"),
+                        "--storage-path", str(lab.work / "runs"), "--name", "sweep-pre",
+                        sbatch_flags=("--nodes=2", "--requeue"))
+    start = time.monotonic()
+
+    def mid_trial() -> bool:  # a trial with a checkpoint that has not finished
+        return any(list((sweep_dir / "trials" / t).glob("checkpoint_*"))
+                   and not (sweep_dir / "trials" / t / "summary.json").exists() for t in trials)
+
+    lab.wait_until(job_id, "a trial's checkpoint", mid_trial, timeout=240)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=lab.env, check=True)
+    lab.wait_until(job_id, "requeue", lambda: lab.field(job_id, "Restarts") == "1", timeout=120)
+    # As requeued jobs often do, it comes back on other nodes, with another head: n2 and the spare n3.
+    subprocess.run(["scontrol", "hold", job_id], env=lab.env, check=True)
+    spare(lab.env["SLURM_CONF"], "resume")
+    try:
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "ExcNodeList=n1"], env=lab.env, check=True)
+        subprocess.run(["scontrol", "release", job_id], env=lab.env, check=True)
+        job = lab.wait(job_id, timeout=300, start=start)
+    finally:
+        spare(lab.env["SLURM_CONF"], "drain")
+    print(f"\njob {job_id}: done after {job.seconds:.0f}s")
+
+    assert job.state == "COMPLETED", job.log
+    assert lab.field(job_id, "Restarts") == "1", job.log
+    first, second = job.log.split(f"job {job_id} (restart 1):")
+    assert "head n1" in first and second.startswith(" head n2") and "workers n3" in second, job.log
+    assert all(f"trial {t} started: lr=" in first for t in trials) and "resumed" not in first, first
+    assert "the sweep stopped on SIGUSR1, its running trials checkpointed" in first, first
+    assert f"requeued job {job_id}, which will resume from it" in first, first
+    assert "resuming sweep sweep-pre" in second, second
+    resumed = re.findall(r"trial (t\d\d) resumed from its checkpoint", second)
+    assert resumed, second
+    for trial in resumed:
+        assert "resumed from the checkpoint at epoch" in (sweep_dir / "trials" / f"{trial}.log").read_text()
+    with open(sweep_dir / "results.csv", newline="") as f:
+        assert {row["trial"]: row["status"] for row in csv.DictReader(f)} == dict.fromkeys(trials, "finished")
+    nodes = set()
+    for trial in trials:
+        with open(sweep_dir / "trials" / trial / "metrics.csv", newline="") as f:
+            assert [int(row["epoch"]) for row in csv.DictReader(f)] == [1, 2], trial  # each epoch once
+        nodes |= set(json.loads((sweep_dir / "trials" / trial / "summary.json").read_text())["nodes"])
+    assert sorted(nodes) == ["n2", SPARE]  # one trial's worker on each node
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert summary["best"]["trial"] in trials, summary
+    assert f"best: {summary['best']['trial']}" in second, second  # the sweep's table, in the job's log
+    assert_cleaned_up(lab, job_id, restarts=1)
+    assert not lab.node_tmp(SPARE, f"{job_id}.1").exists(), "the restart's temp dir left on n3"
+
+
 def test_early_usr1_waits_for_the_handler_and_no_requeue_is_respected(lab: Lab) -> None:
     # SIGUSR1 while the command starts up must not kill it: it is held until the command has a
     # handler. The command then stops with 75, and --no-requeue keeps the job from coming back.

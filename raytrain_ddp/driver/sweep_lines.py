@@ -78,7 +78,9 @@ class SweepLines(tune.Callback):
         running = 1 + sum(t.status == "RUNNING" for t in others)
         ended = sum(t.status in ("TERMINATED", "ERROR") for t in others)
         waiting = sum(t.status in ("PENDING", "PAUSED") for t in others)
-        again = "resumed from its checkpoint" if read_outcome(Path(self.sweep_dir) / "trials", tid) else "started"
+        # Its checkpoints, not its outcome file: the actor writes that in setup, before Tune calls this
+        resumes = any((Path(self.sweep_dir) / "trials" / tid).glob("checkpoint_*"))
+        again = "resumed from its checkpoint" if resumes else "started"
         say(f"trial {tid} {again}: {fmt(trial.config['trial']['params'])} ({running} running, {ended} ended, {waiting} waiting)")
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **_info: Any) -> None:
