@@ -712,7 +712,7 @@ def test_preempted_sweep_requeues_and_resumes_its_trials(lab: Lab) -> None:
     first, second = job.log.split(f"job {job_id} (restart 1):")
     assert "head n1" in first and second.startswith(" head n2") and "workers n3" in second, job.log
     assert all(f"trial {t} started: lr=" in first for t in trials) and "resumed" not in first, first
-    assert "the sweep stopped on SIGUSR1, its running trials checkpointed" in first, first
+    assert "the sweep stopped on SIGUSR1, each running trial with a checkpoint" in first, first
     assert f"requeued job {job_id}, which will resume from it" in first, first
     assert "resuming sweep sweep-pre" in second, second
     resumed = re.findall(r"trial (t\d\d) resumed from its checkpoint", second)

@@ -269,7 +269,8 @@ def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_di
     summary = report(trials, sc, sweep_dir, run_args, slots, began, time.time(), rungs(sc, base.epochs))
     if RECEIVED:
         how = f"rerun the same command (same --storage-path and --name {sweep_dir.name}) to resume it"
-        message = f"the sweep stopped on {RECEIVED[0]}, its running trials checkpointed; {how}"
+        message = (f"the sweep stopped on {RECEIVED[0]}, each running trial with a checkpoint at its next agreed step "
+                   f"(one stopped before its first step starts over); {how}")
         raise Interrupted(message) if RECEIVED[0] == "SIGINT" else Stopped(message)
     return summary
 
