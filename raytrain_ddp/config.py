@@ -377,6 +377,20 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+def load_yaml(text: str) -> Any:
+    """YAML read as a config means it: 1e-4 is a number. PyYAML follows YAML 1.1, which wants a dot
+    (1.0e-4) and would hand back the string '1e-4'."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+    )
+    return yaml.load(text, Loader=Loader)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML config file into a dict of TrainConfig keys (dashes allowed)."""
     path = Path(path)
@@ -390,9 +404,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             values = tomllib.loads(text)
         else:
-            import yaml
-
-            values = yaml.safe_load(text) or {}
+            values = load_yaml(text) or {}
     except Exception as err:  # tomllib.TOMLDecodeError or yaml.YAMLError
         raise ConfigError(f"config file {path} does not parse: {str(err).splitlines()[0]}") from None
     if not isinstance(values, dict):

@@ -91,6 +91,12 @@ def test_file_then_flags(tmp_path, suffix, text):
     assert (cfg.workers, cfg.lr, cfg.batch_size) == (8, 0.2, 16)
 
 
+def test_a_yaml_file_reads_1e_4_as_a_number(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-4\nweight-decay: 5E-5\n")  # YAML 1.1 (PyYAML) wants 1.0e-4, and gave a string
+    assert resolve(path, {}).lr == 1e-4 and load_file(path)["weight_decay"] == 5e-5
+
+
 def test_bad_files(tmp_path):
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(ConfigError, match="must end in .yaml, .yml or .toml"):

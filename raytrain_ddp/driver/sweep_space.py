@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import yaml
 from ray import tune
 from ray.tune.search import BasicVariantGenerator
 
-from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, flag_decls
+from raytrain_ddp.config import FIELD_TYPES, ConfigError, TrainConfig, flag_decls, load_yaml
 
 RANGES = ("loguniform", "uniform", "randint")
 LISTS = ("choice", "grid")
@@ -51,16 +50,6 @@ FIXED: dict[str, str] = {
 
 GANG = ("workers", "cpus_per_worker")
 """Fields that size a trial's gang: only a known list of values, so the packing can plan for the largest."""
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML that reads 1e-4 as a number: PyYAML follows YAML 1.1, which wants a dot (1.0e-4) and
-    would hand back the string '1e-4'."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
 
 
 @dataclass(frozen=True)
@@ -97,7 +86,7 @@ def load_space(path: str | Path, base: TrainConfig) -> SweepSpace:
     except OSError as err:
         raise ConfigError(f"cannot read sweep space {path}: {err.strerror}; check --space") from None
     try:
-        values = yaml.load(text, Loader=_Loader)
+        values = load_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)  # the line PyYAML gave up on; its first line is only context
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
