@@ -1,11 +1,12 @@
-"""The driver of `raytrain run`: Ctrl-C checkpoints and exits 130, then the same command resumes; a
-worker group restarted with no checkpoint to resume is still a recorded restart, and the epoch it
-redoes is shown again."""
+"""The driver of `raytrain run`: Ctrl-C checkpoints and exits 130, then the same command resumes, and
+a second driver on its --name meanwhile is refused; a worker group restarted with no checkpoint to
+resume is still a recorded restart, and the epoch it redoes is shown again."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,9 +122,25 @@ def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp
     assert time.monotonic() - stopped < 30
     assert err.strip().splitlines()[-1].startswith("stopped: stopped at once by a second Ctrl-C"), err[-2000:]
 
-    again = raytrain("run", *args, env=ray_head.env, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "resumed from the checkpoint at epoch 1" in again.stdout
+    # While the rerun trains, a second driver on its --name is refused in one line that names it,
+    # before any Ray or rank (driver/run_lock.py; here and not in a run of its own: CI time).
+    again = start(args, ray_head.env)
+    try:
+        seen = wait_for_line(again, "run c: 2 gloo workers")
+        asked = time.monotonic()
+        second = raytrain("run", *args, env=ray_head.env, timeout=120)
+        took = time.monotonic() - asked
+        out, err = again.communicate(timeout=300)
+    finally:
+        again.kill()
+    assert second.returncode == 2, second.stderr[-2000:]
+    [line] = second.stderr.strip().splitlines()
+    assert line.startswith(f"error: run 'c' is in use by another driver: pid {again.pid} on {socket.gethostname()}, "
+                           "since "), line
+    assert "raytrain run --workers 2" in line and "pass a new --name" in line
+    assert took < 60 and "run c:" not in second.stdout  # no Ray, no rank
+    assert again.returncode == 0, err[-2000:]
+    assert "resumed from the checkpoint at epoch 1" in seen + out
     rows = read_csv(run_dir / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert all(r["samples"] == "2048" for r in rows)  # every sample of each epoch once, the stopped one too

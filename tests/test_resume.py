@@ -1,23 +1,20 @@
 """Resume checks on the driver: the latest registered checkpoint, the config compared key by key, the
-model against the checkpoint's shapes; and one real run rerun with a refused and an applied change."""
+model against the checkpoint's shapes. (A real run rerun with a refused and an applied change is a
+leg of test_strategy.py's crossing run.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, raytrain
-from test_cli import assert_refused
 
 from raytrain_ddp.checkpoint import compat as resume
 from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE, latest_checkpoint, rank_file
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.preflight import check_parts
 from raytrain_ddp.worker.models import convnet
 
@@ -136,26 +133,5 @@ def test_a_model_that_is_no_module_is_refused_on_a_fresh_run(tmp_path):
         check_parts(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, {"model": lambda **_: {}}, dry=True)
 
 
-# --- end to end: one real run, then two reruns of its --name ---
-
-
-@pytest.mark.e2e
-def test_resume_refuses_a_changed_seed_and_applies_a_new_lr_and_epochs(ray_head, tmp_path):
-    common = [*TINY, "--storage-path", str(tmp_path), "--name", "r"]
-    first = raytrain("run", *common, env=ray_head.env)
-    assert first.returncode == 0, first.stderr[-2000:]
-    checkpoints = sorted(p.name for p in (tmp_path / "r").glob("checkpoint_*"))
-
-    # Refused in seconds, in one line, before any worker starts (preflight's `layout:` line never came).
-    started = time.monotonic()
-    refused = raytrain("run", *common, "--seed", "1", env=ray_head.env)
-    assert_refused(refused, "cannot resume run 'r' with --seed 0 -> 1", "--no-resume", within_s=30, started=started)
-    assert sorted(p.name for p in (tmp_path / "r").glob("checkpoint_*")) == checkpoints
-
-    applied = raytrain("run", *common, "--epochs", "2", "--lr", "0.1", env=ray_head.env)  # the last --epochs wins
-    assert applied.returncode == 0, applied.stderr[-2000:]
-    assert "resume: --epochs 1 -> 2: the LR schedule stretches from epoch 2 over the remaining epochs" in applied.stderr
-    assert "resume: --lr 0.05 -> 0.1 applied" in applied.stderr
-    rows = read_csv(tmp_path / "r" / "metrics.csv")
-    assert [r["epoch"] for r in rows] == ["1", "2"]
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["config"]["lr"] == 0.1
+# End to end, a rerun refused for a changed --seed and one that applies a new --lr and --epochs:
+# in test_strategy.py's crossing run, whose legs are such reruns (one run for both: CI time).

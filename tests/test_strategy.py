@@ -8,8 +8,10 @@ end-to-end runs through the CLI are at the bottom.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import TINY, free_port, raytrain
+from test_cli import assert_refused
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -397,23 +400,35 @@ def latest(run_dir: Path) -> Path:
 
 @pytest.mark.e2e
 def test_a_run_crosses_ddp_fsdp_and_world_sizes_resuming_each_time_and_exports_the_shards(ray_head, tmp_path):
-    """One run, four legs (one run and not three tests: CI time): DDP at 2 workers; FSDP at 2, from
-    the DDP checkpoint, saving shards; FSDP at 1, from those shards; the shards exported as a plain
-    state dict; and DDP again, from the shards."""
+    """One run, four legs (one run and not several tests: CI time): DDP at 2 workers; a rerun with a
+    changed --seed, refused; FSDP at 2, from the DDP checkpoint, saving shards, with a new --lr and
+    --epochs applied; FSDP at 1, from those shards; the shards exported as a plain state dict; and
+    DDP again, from the shards."""
     def leg(epochs: int, *more: str):
         proc = raytrain(*run_args(tmp_path, "crossed", "--epochs", str(epochs), *more), env=ray_head.env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
     leg(1, "--workers", "2")
-    fsdp = leg(2, "--strategy", "fsdp", "--workers", "2")
+    checkpoints = sorted(p.name for p in (tmp_path / "crossed").glob("checkpoint_*"))
+    # Refused in seconds, in one line, before any worker starts (preflight's `layout:` line never came).
+    started = time.monotonic()
+    refused = raytrain(*run_args(tmp_path, "crossed", "--epochs", "1", "--seed", "1"), env=ray_head.env)
+    assert_refused(refused, "cannot resume run 'crossed' with --seed 0 -> 1", "--no-resume",
+                   within_s=30, started=started)
+    assert sorted(p.name for p in (tmp_path / "crossed").glob("checkpoint_*")) == checkpoints
+
+    fsdp = leg(2, "--strategy", "fsdp", "--workers", "2", "--lr", "0.1")
     assert "resume: --strategy ddp -> fsdp applied" in fsdp.stdout + fsdp.stderr
+    assert "resume: --epochs 1 -> 2: the LR schedule stretches from epoch 2 over the remaining epochs" in fsdp.stderr
+    assert "resume: --lr 0.05 -> 0.1 applied" in fsdp.stderr
+    assert json.loads((tmp_path / "crossed" / "summary.json").read_text())["config"]["lr"] == 0.1
     saved = latest(tmp_path / "crossed")
     assert sorted(f.name for f in (saved / files.SHARDS).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert "model" not in torch.load(saved / files.STATE, weights_only=True)  # no rank held it whole
     assert '"strategy": "fsdp"' in (saved / files.RESUME_INFO).read_text()
 
-    one = leg(3, "--strategy", "fsdp", "--workers", "1")
+    one = leg(3, "--strategy", "fsdp", "--workers", "1", "--lr", "0.1")
     assert "resumed from the checkpoint at epoch 3" in one.stdout
     exported = raytrain("export", str(tmp_path / "crossed"), "--to", str(tmp_path / "model.pt"))
     assert exported.returncode == 0, exported.stderr
@@ -421,7 +436,7 @@ def test_a_run_crosses_ddp_fsdp_and_world_sizes_resuming_each_time_and_exports_t
 
     convnet(num_classes=10, in_channels=3).load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
 
-    back = leg(4, "--workers", "2")
+    back = leg(4, "--workers", "2", "--lr", "0.1")
     assert "resumed from the checkpoint at epoch 4" in back.stdout
     rows = read_csv(tmp_path / "crossed" / "metrics.csv")
     assert [(r["epoch"], r["world_size"]) for r in rows] == [("1", "2"), ("2", "2"), ("3", "1"), ("4", "2")]
