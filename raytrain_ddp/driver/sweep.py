@@ -104,6 +104,8 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
             f"a sweep's trials have a fixed size, which the packing splits the cluster by; give --workers N, not "
             f"{base.workers}:{base.max_workers}"
         )
+    if not sc.dry_run:
+        session.start_private_ray(base)  # it comes up while the sweep is planned and its trials checked
     base, sweep_dir = resolve_run(base)
     # A trial's workers take the CPUs the packing gave them, not a run's share of what is free when
     # it starts (which would leave the next trial waiting)
@@ -115,7 +117,6 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
         run_args = [*run_args, "--cpus-per-worker", str(base.cpus_per_worker)]  # the trial's, for its command
     if sc.dry_run:
         return list_trials(trials, sc, describe(space), sweep_dir)
-    session.start_private_ray(base)  # it starts while the sweep is planned
     run_lock.take(sweep_dir)
     try:
         keep_plan(sweep_dir, base, trials, sc)
