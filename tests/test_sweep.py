@@ -41,7 +41,8 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     space.write_text("lr: {grid: [0.01, 0.3]}\n")  # t01 overshoots in its first epoch: val_loss in the tens
     done = raytrain("sweep", "--space", str(space), "--trials", "1", "--concurrent", "1", "--scheduler", "asha",
                     "--eta", "2", "--metric", "val_loss", "--epochs", "3", "--name", "cut", "--mlflow",
-                    "--storage-path", str(tmp_path), *RUN, env=ray_head.env, timeout=400, cwd=tmp_path)
+                    "--storage-path", str(tmp_path), *RUN, timeout=400, cwd=tmp_path,
+                    env={**ray_head.env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'server.db'}"})
     assert done.returncode == 0, done.stderr
     err = done.stderr
     assert "packing: 1 trial at once, each 1 worker x 1 CPU" in err, err
@@ -50,20 +51,22 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     sweep_dir = tmp_path / "cut"
     table = results(sweep_dir)
     assert (table["t00"]["status"], table["t01"]["status"]) == ("finished", "stopped early"), table
+    assert table["t01"]["epochs_done"] == "1", table  # up to the cut, however late its stop landed
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert summary["best"]["trial"] == "t00" and "--lr 0.01 " in summary["best"]["command"], summary
     assert "* " in done.stdout and "best: t00" in done.stdout, done.stdout  # the table, best marked
     for plot in ("curves.png", "parallel.png"):
         assert (sweep_dir / plot).stat().st_size > 10_000
     assert live_groups(ray_head.env) == []
-    # MLflow: one run per trial, in one experiment named for the sweep, in the sweep's own store
+    # MLflow: one run per trial, in one experiment named for the sweep, in the store the driver was
+    # given (the head's workers never saw that variable)
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{sweep_dir / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'server.db'}")
     experiment = client.get_experiment_by_name("cut")
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(run.info.run_name for run in runs) == ["t00", "t01"]
-    assert (sweep_dir / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()  # beside the store, not in the cwd
+    assert (tmp_path / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()  # beside the store, not in the cwd
 
 
 def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):

@@ -122,7 +122,8 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
         keep_plan(sweep_dir, base, trials, sc)
         session.connect(base)
         code_paths, code_env = user_code(code)
-        ship_code(base, code_env)  # once, before any trial: every trial's actor and worker is of this job
+        # Once, before any trial: every trial's actor and worker is of this job, and gets its runtime_env
+        ship_code(base, {**code_env, **tracker_env(trials)})
         return run_trials(base, sc, trials, sweep_dir, describe(space), run_args, code_paths)
     finally:
         run_lock.release(sweep_dir)
@@ -176,6 +177,20 @@ def check_trials(trials: list[Trial], sweep_dir: Path) -> dict[str, tuple[Path, 
                 raise  # the base's, as `raytrain run` would say it
             raise ConfigError(f"trial {trial.id} ({fmt(trial.params)}): {err}") from None
     return code
+
+
+TRACKER_ENV = ("MLFLOW_", "WANDB_")
+"""The trackers' own settings (server, project, key, mode), which the trials' actors need as the
+driver has them: a Ray worker gets the environment of the node it runs on, not the driver's."""
+
+
+def tracker_env(trials: list[Trial]) -> dict[str, Any]:
+    """The job's runtime_env entry that hands the driver's tracker settings to the trials' actors;
+    {} when no trial tracks (joining again with a runtime_env costs a second or two)."""
+    if not any(t.cfg.mlflow or t.cfg.wandb for t in trials):
+        return {}
+    env = {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV)}
+    return {"env_vars": env} if env else {}
 
 
 def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Path) -> None:
@@ -336,13 +351,15 @@ def report(trials: list[Trial], sc: SweepConfig, sweep_dir: Path, run_args: list
     from raytrain_ddp.driver import sweep_report as out
     from raytrain_ddp.driver.sweep_lines import read_outcome
 
-    path = sweep_dir / "status.json"
-    statuses = json.loads(path.read_text()) if path.exists() else {}
+    statuses, cuts = (json.loads(path.read_text()) if path.exists() else {}
+                      for path in (sweep_dir / "status.json", sweep_dir / "cuts.json"))
     records = []
     for trial in trials:
         run_dir = sweep_dir / "trials" / trial.id
         outcome = read_outcome(sweep_dir / "trials", trial.id)
         rows = read_csv(run_dir / "metrics.csv") if (run_dir / "metrics.csv").exists() else []
+        if trial.id in cuts:  # judged on the epochs before ASHA's cut, not those the stop took to land
+            rows = [row for row in rows if int(row["epoch"]) <= cuts[trial.id]]
         said = outcome.get("status") if outcome.get("status") in ("finished", "failed") else None
         status = statuses.get(trial.id) or said or ("stopped" if outcome else "pending")
         checkpoint = latest_checkpoint(run_dir) if run_dir.exists() else None

@@ -100,6 +100,7 @@ class SweepLines(tune.Callback):
         if cut:
             say(f"trial {tid} stopped early by ASHA after epoch {epoch}: {where}")
             self.status(tid, "stopped early")
+            self.record("cuts.json", tid, epoch)
         else:
             say(f"trial {tid} passed the rung at epoch {epoch}: {where}")
 
@@ -121,9 +122,13 @@ class SweepLines(tune.Callback):
         self.status(tid, "failed")
 
     def status(self, tid: str, status: str) -> None:
-        path = Path(self.sweep_dir) / "status.json"
-        statuses = json.loads(path.read_text()) if path.exists() else {}
-        write_json(path, {**statuses, tid: status})
+        self.record("status.json", tid, status)
+
+    def record(self, name: str, tid: str, value: Any) -> None:
+        """status.json: how each trial ended; cuts.json: the epoch ASHA cut each stopped one at."""
+        path = Path(self.sweep_dir) / name
+        values = json.loads(path.read_text()) if path.exists() else {}
+        write_json(path, {**values, tid: value})
 
 
 def read_outcome(trials_dir: Path, tid: str) -> dict[str, Any]:
