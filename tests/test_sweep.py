@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import raytrain
+from conftest import raytrain
 
 pytestmark = pytest.mark.e2e
 
