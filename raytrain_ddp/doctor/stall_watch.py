@@ -111,6 +111,11 @@ class StallWatch:
         workers, silence = dump_loader_workers(ranks), silence_in(phase)
         if self.moves(moving(ranks, stacks, workers, quiet, silence), quiet, limit):
             return
+        if self.told and moved_on(ranks, stacks):
+            # Slow or compiling until now, and its stacks still change: caught in passing as a rank
+            # leaves its compile (seen: one rank past it, the other not yet out of the all-reduce).
+            self.next_look = quiet + limit
+            return
         report = diagnose(ranks, stacks, quiet, stall_folder(self.run_dir, self.stalls), self.say, silence, workers)
         self.stalls.append(report)
         if len(self.stalls) > self.restarts:
@@ -140,6 +145,16 @@ class StallWatch:
         quiet, _, phase = ray.get(self.sink.quiet.remote())
         return diagnose(ranks, dump_stacks(ranks), quiet, stall_folder(self.run_dir, self.stalls), self.say,
                         silence=silence_in(phase))
+
+
+MOVED_ON_S = 1.0
+"""How long after a stuck-looking sample the stacks are taken again, when the silence was moving before."""
+
+
+def moved_on(ranks: list[RankProcess], stacks: list[str]) -> bool:
+    """Whether any rank's stack changed within MOVED_ON_S of `stacks`: a rank that moves is not stuck."""
+    time.sleep(MOVED_ON_S)
+    return dump_stacks(ranks) != stacks
 
 
 def restart_count(stalls: list[Report], restarts: int) -> str:
