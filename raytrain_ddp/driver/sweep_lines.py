@@ -15,7 +15,7 @@ from ray import tune
 from raytrain_ddp.driver.core import STOP_SIGNALS
 from raytrain_ddp.driver.metrics import write_json
 from raytrain_ddp.driver.sweep_report import fmt, say
-from raytrain_ddp.driver.sweep_trial import ended_before
+from raytrain_ddp.driver.sweep_trial import ended_before, outcome_path
 
 RECEIVED: list[str] = []
 """The stop signals the sweep got, in order (Tune ends its loop on the first)."""
@@ -132,8 +132,6 @@ class SweepLines(tune.Callback):
 
 
 def read_outcome(trials_dir: Path, tid: str) -> dict[str, Any]:
-    from raytrain_ddp.driver.sweep_trial import outcome_path
-
     path = outcome_path(trials_dir, tid)
     try:
         return json.loads(path.read_text())

@@ -12,6 +12,7 @@ This module runs in Tune's actors; sweep.py imports it only once Ray is joined.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
@@ -73,8 +74,6 @@ def ended_before(trials_dir: str | Path, trial: str) -> str | None:
     """How the trial ended in an earlier life of the sweep, when it did: "finished" (its actor said so),
     or "stopped early" or "failed" (the driver's callback said so). A sweep killed before Tune saved
     that end restores the trial as running; it must be kept as it ended, not run again."""
-    import json
-
     for path, key in ((outcome_path(trials_dir, trial), "status"), (Path(trials_dir).parent / "status.json", trial)):
         try:
             status = json.loads(path.read_text()).get(key)
