@@ -80,9 +80,9 @@ def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bo
     command's signal handlers back (ray.init replaces SIGTERM's) and raises for a stop that came.
     `say`: how the command prints its own lines (launch prefixes them, beside the script's)."""
     checked = check_request(cfg, model, dataset, trains=trains)
+    run_lock.take(checked.run_dir)  # before anything is moved, started or said: a live driver's name is refused alone
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
         say(without)  # a launched script has no drain notices of ours
-    run_lock.take(checked.run_dir)  # before anything is moved or started: a live driver's name is refused
     try:
         return fit_to_cluster(checked, trains, stop_check, say)
     except BaseException:
