@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.doctor.stragglers import OWN, PARTS, crowded, most_uneven, slow_in, stragglers
+from raytrain_ddp.doctor.stragglers import OWN, PARTS, crowding, most_uneven, not_comparable, slow_in, stragglers
 
 UNEVEN_PY = """\
 import time
@@ -296,17 +296,24 @@ def test_a_part_too_small_to_matter_names_no_one():
     assert stragglers(1, [even(0.001, 2.0, 3.0, 1.0), even(0.003, 2.0, 3.0, 1.0), even(0.001, 2.0, 3.0, 1.0)], []) == []
 
 
-def test_ranks_that_share_their_nodes_cores_are_said_not_comparable_and_none_is_named():
-    """The quick start's 2 ranks of 1 torch thread and 2 loader workers: 6 busy threads on 2 cores."""
-    shared = recorded(QUICK_START, threads=1, loader_workers=2, cores=2)[1]
-    assert crowded(shared, ["vm", "vm"]) == (
-        "rank times not comparable: the 2 ranks on vm keep 6 threads busy (1 torch + 2 loader each) on 2 cores, "
-        "so they take turns and no rank is named a straggler; to compare them, give each rank its own cores "
-        "(fewer --workers per node, --cpus-per-worker or --data-workers)")
+def test_ranks_that_share_their_nodes_cores_name_no_straggler_and_say_so_only_when_one_differed():
+    """The quick start's 2 ranks of 1 torch thread and 2 loader workers keep 6 threads busy on 2 cores:
+    no straggler can be named, and as neither differs there is nothing to say. Ranks that differ as a
+    straggler does, on shared cores, get one line that says why none is named."""
+    for windows in (QUICK_START, QUICK_START_2):
+        shared = recorded(windows, threads=1, loader_workers=2, cores=2)[1]
+        assert crowding(shared, ["vm", "vm"]) == "the 2 ranks on vm keep 6 threads busy (1 torch + 2 loader each) on 2 cores"
+        assert not_comparable(1, shared, ["vm", "vm"]) is None and stragglers(1, shared, ["vm", "vm"]) == []
     slow = recorded(UNEVEN, threads=2)[1]  # true stragglers, but 4 threads on 2 cores
-    assert crowded(slow, ["vm", "vm"]) is not None and stragglers(1, slow, ["vm", "vm"]) == []
-    # on two nodes, or on enough cores, they are comparable
-    assert crowded(slow, ["a", "b"]) is None and crowded(recorded(UNEVEN, threads=2, cores=4)[1], ["vm", "vm"]) is None
+    assert stragglers(1, slow, ["vm", "vm"]) == []
+    assert not_comparable(1, slow, ["vm", "vm"]) == (
+        "rank times not comparable: rank 1 on vm is 25800% slower than rank 0 in backward in epoch 1, but the 2 ranks "
+        "on vm keep 4 threads busy (2 torch + 0 loader each) on 2 cores, so they take turns and no rank is named a "
+        "straggler; to compare them, give each rank its own cores (fewer --workers per node, --cpus-per-worker or "
+        "--data-workers)")
+    # on two nodes, or on enough cores, they are comparable: named, and no such line
+    assert [s.rank for s in stragglers(1, slow, ["a", "b"])] == [0, 0, 1] and not_comparable(1, slow, ["a", "b"]) is None
+    assert crowding(recorded(UNEVEN, threads=2, cores=4)[1], ["vm", "vm"]) is None
 
 
 def test_the_summary_keeps_the_most_uneven_epoch():

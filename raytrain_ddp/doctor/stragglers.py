@@ -16,8 +16,8 @@ names a rank: every rank leaves the all-reduce together, so a long `comm` is a r
 slower one, not a slow one (a slow link slows every rank's all-reduce alike).
 
 Ranks whose node has fewer cores than they keep busy (torch threads and loader workers) take turns
-on the cores: their times measure the scheduler, not the ranks. Then no rank is named, and one line
-says so (`crowded`).
+on the cores: their times measure the scheduler, not the ranks. Then no rank is named, and where one
+differed as a straggler does, one line says so (`not_comparable`).
 """
 
 from __future__ import annotations
@@ -58,17 +58,24 @@ class Straggler:
     peer: int | None
     """The other rank, when there are 2."""
 
-    def line(self) -> str:
+    def gap(self) -> str:
         slower = f"{self.seconds / self.others - 1:.0%}" if self.others > 0 else "far"
         than = f"rank {self.peer}" if self.peer is not None else "the other ranks"
-        return (f"straggler: rank {self.rank} on {self.host} is {slower} slower than {than} in {self.part} in epoch "
-                f"{self.epoch}, in each of {self.windows} windows of its steps "
+        return f"rank {self.rank} on {self.host} is {slower} slower than {than} in {self.part} in epoch {self.epoch}"
+
+    def line(self) -> str:
+        return (f"straggler: {self.gap()}, in each of {self.windows} windows of its steps "
                 f"({self.seconds:.2f} s vs {self.others:.2f} s)")
 
 
 def stragglers(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> list[Straggler]:
     """The ranks slow in a part of their own work this epoch; none where the ranks share cores."""
-    if len(parts) < 2 or crowded(parts, hosts):
+    return [] if crowding(parts, hosts) else slow_ranks(epoch, parts, hosts)
+
+
+def slow_ranks(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> list[Straggler]:
+    """The ranks whose own work is slow by the module's rule, whether or not they share cores."""
+    if len(parts) < 2:
         return []
     found = (slow_in(epoch, part, r, parts, hosts) for part in OWN for r in range(len(parts)))
     return [slow for slow in found if slow is not None]
@@ -104,9 +111,9 @@ def spread(values: list[float]) -> float:
     return max(abs(b - a) for a, b in zip(values, values[1:]))
 
 
-def crowded(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
-    """The line for ranks that share their node's cores, which makes their times not comparable; None
-    when every node has a core for each busy thread of its ranks."""
+def crowding(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
+    """Which nodes' ranks share their cores, which makes their times not comparable; None when every
+    node has a core for each busy thread of its ranks."""
     by_host: dict[str, list[dict[str, Any]]] = {}
     for r, rank in enumerate(parts):
         by_host.setdefault(host_of(hosts, r), []).append(rank)
@@ -117,10 +124,20 @@ def crowded(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
         if len(ranks) > 1 and busy > cores:
             each = " / ".join(sorted({f"{rank['threads']} torch + {rank['loader_workers']} loader" for rank in ranks}))
             said.append(f"the {len(ranks)} ranks on {host} keep {busy} threads busy ({each} each) on {cores} cores")
-    if not said:
+    return "; ".join(said) or None
+
+
+def not_comparable(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
+    """The line for ranks that differ as a straggler does but share their node's cores, so none is
+    named; None when they have cores of their own (stragglers() judges them) or do not differ (a
+    quick start on a laptop keeps more threads busy than it has cores, and has nothing to say)."""
+    shared = crowding(parts, hosts)
+    slow = slow_ranks(epoch, parts, hosts) if shared else []
+    if not slow:
         return None
-    return (f"rank times not comparable: {'; '.join(said)}, so they take turns and no rank is named a straggler; "
-            "to compare them, give each rank its own cores "
+    most = max(slow, key=lambda straggler: straggler.seconds - straggler.others)
+    return (f"rank times not comparable: {most.gap()}, but {shared}, so they take turns and no rank is named a "
+            "straggler; to compare them, give each rank its own cores "
             "(fewer --workers per node, --cpus-per-worker or --data-workers)")
 
 

@@ -20,7 +20,7 @@ from raytrain_ddp.doctor.health import NodeHealth, slow_nodes
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stack import write_workers
 from raytrain_ddp.doctor.stall_watch import StallWatch
-from raytrain_ddp.doctor.stragglers import RANK_TIMES, crowded, most_uneven, stragglers, write_rank_times
+from raytrain_ddp.doctor.stragglers import RANK_TIMES, most_uneven, not_comparable, stragglers, write_rank_times
 from raytrain_ddp.driver import preflight, run_lock, tracking
 from raytrain_ddp.driver.core import Signals, StartupClock, drive, write_summary
 from raytrain_ddp.driver.metrics import tensorboard_writer, write_csv, write_parquet
@@ -379,11 +379,11 @@ class RunNews:
         return lines + self.straggler_lines(info)
 
     def straggler_lines(self, info: dict[str, Any]) -> list[str]:
-        """A line for each rank newly slow in a part: the first epoch it was; or once, that the ranks'
-        times are not comparable."""
+        """A line for each rank newly slow in a part: the first epoch it was; or once, that one looked
+        slow but the ranks' times are not comparable."""
         lines, parts = [], info.get("rank_parts", {})
         for epoch in sorted(parts.keys() - self.info.get("rank_parts", {}).keys()):
-            if not self.crowded and (line := crowded(parts[epoch], hosts(info))):
+            if not self.crowded and (line := not_comparable(epoch, parts[epoch], hosts(info))):
                 self.crowded = True
                 lines.append(line)
             for slow in stragglers(epoch, parts[epoch], hosts(info)):
