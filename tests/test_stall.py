@@ -65,6 +65,48 @@ def test_a_rank_stuck_in_its_forward_is_named_and_the_run_fails_in_seconds(ray_h
     assert took < 180, f"{took:.0f} s: the stall was not acted on within {STALL_S} s + 30 s of it (plus the start)"
 
 
+HANGS_AT_START_PY = """\
+import threading
+
+import torch.distributed as dist
+from torch import nn
+
+
+class HangsOnRank1(nn.Module):
+    def __init__(self, num_classes, in_channels):
+        super().__init__()
+        if dist.is_initialized() and dist.get_rank() == 1:  # not in the driver's check, on the meta device
+            threading.Event().wait()  # the fault: rank 1 never builds its model
+        self.body = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_channels, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+"""
+START_HANG_LINE = 11
+
+
+@pytest.mark.e2e
+def test_a_rank_stuck_before_its_first_step_is_named_while_the_others_wait_in_ddps_start(ray_head, tmp_path: Path):
+    """The start-up (health check, data, model) is watched from the moment every rank met: rank 1
+    never builds its model, rank 0 waits for it in DDP's constructor. Unwatched, gloo's 30 minutes."""
+    (tmp_path / "hangs.py").write_text(HANGS_AT_START_PY)
+    try:
+        proc = raytrain(
+            "run", "--model", "hangs:HangsOnRank1", "--workers", "2", "--epochs", "1", "--train-samples", "64",
+            "--val-samples", "32", "--batch-size", "16", "--data-workers", "0", "--progress", "plain",
+            "--stall-timeout", str(STALL_S), "--storage-path", str(tmp_path / "runs"), "--name", "stuck",
+            env=ray_head.env, cwd=tmp_path, timeout=180,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the run hung: no stall was detected before the first step")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the run stalled (no rank finished its first training step for "), last
+    assert "rank 1 (" in last and f"hangs.py:{START_HANG_LINE} in HangsOnRank1.__init__" in last, last
+    assert "rank 0 (" not in last and "DDP's check of every rank's parameter shapes" in last, last
+    assert (tmp_path / "runs" / "stuck" / "workers.json").exists()  # `raytrain stack` finds the ranks too
+
+
 def test_the_default_limit_is_two_minutes_or_ten_slow_steps_and_0_is_off():
     assert stall_limit(None, []) == 120.0
     assert stall_limit(None, [1.0, 30.0]) == 300.0
@@ -128,6 +170,24 @@ def test_a_stack_reads_as_the_training_threads_own_frame_and_its_collective():
     SkipsOnRank0.forward""").replace("barrier (", "all_gather_into_tensor (")
     assert read_place(sync_bn).collective == "torch.distributed all_gather_into_tensor (forward)"
     assert read_place("py-spy failed (exit 1): Permission denied").collective is None
+
+
+IN_DDP_START = """\
+Thread 12 (idle): "TrainingThread"
+    _verify_param_shape_across_processes (/venv/lib/python3.11/site-packages/torch/distributed/utils.py:299)
+    DistributedDataParallel.__init__ (/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py:835)
+    wrap (/src/raytrain_ddp/worker/parallel.py:40)
+    train_rank (/src/raytrain_ddp/worker/loop.py:129)
+"""
+"""Rank 0 in DDP's constructor, whose collective (C++) has no Python frame: it waits for a rank
+that has not built its model."""
+
+
+def test_a_rank_in_ddps_start_waits_for_the_others():
+    """Unread, its place is torch's own code, busy: the ranks would be called slow, and never ended."""
+    assert read_place(IN_DDP_START).collective == "DDP's check of every rank's parameter shapes"
+    at_init = RANK1.replace("HangsOnRank1.forward (/tmp/x/hangs.py:18)", "HangsOnRank1.__init__ (/tmp/x/hangs.py:11)")
+    assert culprit_ranks([read_place(IN_DDP_START), read_place(at_init)]) == [1]
 
 
 def test_the_culprit_is_the_rank_not_where_the_others_wait():

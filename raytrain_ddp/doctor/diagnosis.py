@@ -28,6 +28,13 @@ COLLECTIVES = {
     "scatter", "send", "recv", "wait",
 }
 """torch.distributed's functions that wait for the other ranks."""
+DDP_START = {
+    "_verify_param_shape_across_processes": "DDP's check of every rank's parameter shapes",
+    "_sync_module_states": "DDP's broadcast of rank 0's weights",
+    "_sync_params_and_buffers": "DDP's broadcast of rank 0's weights",
+}
+"""What DDP's constructor waits for the other ranks in (torch/distributed/utils.py; the collective
+itself is C++, with no Python frame of its own): a rank that hangs before its model is wrapped."""
 STEP_SILENCE = "no rank finished a training step"
 """What a stalled `raytrain run` did not do (launch's watch says its own)..."""
 VALIDATION_SILENCE = "the epoch's validation did not move"
@@ -190,6 +197,8 @@ def collective_of(frames: list[re.Match[str]]) -> str | None:
     for m in frames:
         if "torch/distributed/" in m["file"] and m["func"].split(".")[-1] in COLLECTIVES:
             return f"torch.distributed {m['func'].split('.')[-1]}{stage}"
+        if "torch/distributed/" in m["file"] and m["func"] in DDP_START:
+            return DDP_START[m["func"]]
     if entry is not None and own is not None and own["file"].endswith(OURS + "worker/step.py") and own["func"] == "forward_backward":
         return f"DDP's gradient all-reduce {STAGES[1]}"
     # A launched script's loss.backward(): its own frame calls the backward, none runs inside it (a

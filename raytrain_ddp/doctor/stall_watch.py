@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from raytrain_ddp.doctor.diagnosis import (
     STEP_SILENCE, LoaderWorker, Moving, culprit_ranks, is_stack, loader_finding, loader_place, moving, read_place,
-    silence_in, silent_for, verdict, worker_label,
+    silence_in, silent_for, training_stack, verdict, worker_label,
 )
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stacks import dump_loader_workers, dump_stacks, end_ranks
@@ -111,9 +111,11 @@ class StallWatch:
         workers, silence = dump_loader_workers(ranks), silence_in(phase)
         if self.moves(moving(ranks, stacks, workers, quiet, silence), quiet, limit):
             return
-        if self.told and moved_on(ranks, stacks):
+        if (self.told or phase == "first step") and moved_on(ranks, stacks):
             # Slow or compiling until now, and its stacks still change: caught in passing as a rank
             # leaves its compile (seen: one rank past it, the other not yet out of the all-reduce).
+            # Before the first step, a rank still building its model or data while the others wait
+            # for it in DDP's start is slow, not stuck, as long as it moves.
             self.next_look = quiet + limit
             return
         report = diagnose(ranks, stacks, quiet, stall_folder(self.run_dir, self.stalls), self.say, silence, workers)
@@ -152,9 +154,10 @@ MOVED_ON_S = 1.0
 
 
 def moved_on(ranks: list[RankProcess], stacks: list[str]) -> bool:
-    """Whether any rank's stack changed within MOVED_ON_S of `stacks`: a rank that moves is not stuck."""
+    """Whether any rank's training thread moved within MOVED_ON_S of `stacks`: a rank that moves is
+    not stuck. Only that thread counts: Ray's own threads in a rank come and go between two looks."""
     time.sleep(MOVED_ON_S)
-    return dump_stacks(ranks) != stacks
+    return list(map(training_stack, dump_stacks(ranks))) != list(map(training_stack, stacks))
 
 
 def restart_count(stalls: list[Report], restarts: int) -> str:

@@ -36,6 +36,14 @@ class Sink:
         self.stall_ended = False
         """The stall watch ended the running group: the next group's restart event says so."""
 
+    def arrived(self, ranks: list[dict[str, Any]]) -> None:
+        """Every rank of a worker group met (rank 0, before the health check, the data and the model):
+        the stall watch counts from here, so a rank that hangs in its start-up is named as one that
+        hangs in a step is, not after the collective's 30-minute timeout. `start` counts again."""
+        self.run["ranks"] = ranks_from(ranks)
+        self.last_step, self.beat = None, time.time()
+        self.run["phase"] = "first step"
+
     def start(self, **run: Any) -> list[dict[str, Any]]:
         """A worker group started: who it is, where it resumed (`resumed_at`: epoch, position,
         step, or None), the resizes its checkpoint holds, and rank 0's start-up marks (`startup`:

@@ -112,6 +112,8 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
     ranks = where_ranks_run(world_size)
     marks["process group"] = time.time()  # every rank has arrived (and NCCL made its communicator)
+    if rank == 0:
+        sink.arrived.remote(ranks)  # the stall watch covers the start-up from here
     if cfg.health != "off":
         if not health_check.before_training(cfg.health, sink, rank, world_size, device):
             return  # --health exclude named a node: the driver ends the run, before any data or model
@@ -136,6 +138,8 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     state = TrainState.fresh(cfg, loaders.train_size, world_size, device)
     checkpointer = Checkpointer(cfg, rank, loaders.in_channels, model, optimizer, scaler,
                                 loop_config.get("resume_from"))
+    if rank == 0:  # reading a checkpoint may take long, as writing one may: no stall (sink.start counts again)
+        sink.phase.remote("checkpoint")
     resumed = checkpointer.restore(state)
     marks["model"] = time.time()
     if rank == 0:
