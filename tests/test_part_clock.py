@@ -4,6 +4,8 @@ GPU (NCCL, CUDA events) too, where there is one."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp.worker.part_clock import PARTS, PartClock
+from raytrain_ddp.worker.part_clock import PARTS, PartClock, run_queue_s
 from raytrain_ddp.worker.step import forward_backward
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -53,7 +55,33 @@ def test_the_parts_add_up_and_only_a_synced_backward_has_communication(device: s
         for i, part in enumerate(PARTS):
             assert sum(window[i] for window in mine["windows"]) == pytest.approx(mine[part], abs=1e-3), (part, mine)
         assert mine["threads"] == torch.get_num_threads() and mine["loader_workers"] == 2 and mine["cores"] >= 1
+        assert len(mine["queued"]) == 8 and all(q >= 0 for q in mine["queued"]) and mine["gpu"] == (device == "cuda")
         parts.new_pass(6)
         assert parts.seconds() == [0.0, 0.0, 0.0, 0.0]
     finally:
         dist.destroy_process_group()
+
+
+def hog(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat in this kernel")
+def test_the_run_queue_wait_is_the_time_this_thread_waited_for_a_core():
+    """Busy on every core plus one, for 1.5 s: this thread waits for a core part of that time."""
+    cores = len(os.sched_getaffinity(0))
+    hogs = [multiprocessing.get_context("spawn").Process(target=hog, args=(3.0,)) for _ in range(cores)]
+    for p in hogs:
+        p.start()
+    try:
+        time.sleep(1.0)  # the hogs are up
+        before = run_queue_s()
+        hog(1.5)
+        waited = run_queue_s() - before
+    finally:
+        for p in hogs:
+            p.terminate()
+            p.join()
+    assert 0.2 < waited < 1.5, waited

@@ -55,6 +55,10 @@ class PartClock:
         """The same seconds, per window of the pass's micro-batches."""
         self.window_steps = [0] * WINDOWS
         """The micro-batches in each window (the last ones may hold one fewer, or none in a short pass)."""
+        self.queued = [0.0] * WINDOWS
+        """Seconds the training thread waited for a core in each window, from its step's start: where
+        ranks share a node's cores, a rank slower by about that much was slowed by the scheduler."""
+        self.queue_mark = run_queue_s()
         self.micro_steps, self.done = 1, 0
         """The pass's micro-batches, and those done so far: which window the next one is in."""
         self.marks: dict[str, Any] = {}
@@ -77,6 +81,7 @@ class PartClock:
         self.totals = dict.fromkeys(PARTS, 0.0)
         self.windows = [dict.fromkeys(PARTS, 0.0) for _ in range(WINDOWS)]
         self.window_steps = [0] * WINDOWS
+        self.queued, self.queue_mark = [0.0] * WINDOWS, run_queue_s()
         self.micro_steps, self.done = max(micro_steps, 1), 0
         self.pending = []
 
@@ -103,6 +108,10 @@ class PartClock:
         marks["window"] = self.window()
         self.window_steps[marks["window"]] += 1
         self.done += 1
+        if self.window() != marks["window"] or self.done == self.micro_steps:  # the window's last micro-batch
+            now = run_queue_s()
+            self.queued[marks["window"]] += now - self.queue_mark
+            self.queue_mark = now
         if len(self.hooks) > 1 and self.last is not None:  # learnt which gradient comes last: keep its hook only
             for key in [key for key in self.hooks if key != id(self.last)]:
                 self.hooks.pop(key).remove()
@@ -138,10 +147,10 @@ class PartClock:
 
     def gather(self, device: torch.device) -> list[dict[str, Any]]:
         """Every rank's parts this pass, in rank order (a collective: every rank calls it): its seconds
-        per part, `windows` (the same per window) and `window_steps`; its torch `threads`, `loader_workers`
-        and the `cores` it may run on."""
+        per part, `windows` (the same per window), `window_steps` and `queued`; whether it computes on a
+        `gpu`; its torch `threads`, `loader_workers` and the `cores` it may run on."""
         figures = [*self.seconds(), *(w[part] for w in self.windows for part in PARTS), *self.window_steps,
-                   torch.get_num_threads(), self.loader_workers, cores()]
+                   *self.queued, int(self.cuda), torch.get_num_threads(), self.loader_workers, cores()]
         mine = torch.tensor(figures, dtype=torch.float64, device=device)
         world = [mine]
         if dist.is_initialized():
@@ -157,6 +166,8 @@ def rank_figures(row: list[float]) -> dict[str, Any]:
         **dict(zip(PARTS, row[:n])),
         "windows": [row[n + w * n : n + (w + 1) * n] for w in range(WINDOWS)],
         "window_steps": [int(count) for count in row[steps : steps + WINDOWS]],
+        "queued": row[steps + WINDOWS : steps + 2 * WINDOWS],
+        "gpu": bool(row[-4]),
         "threads": int(row[-3]),
         "loader_workers": int(row[-2]),
         "cores": int(row[-1]),
@@ -166,6 +177,16 @@ def rank_figures(row: list[float]) -> dict[str, Any]:
 def cores() -> int:
     """The cores this rank may run on (its affinity, which a scheduler such as Slurm may narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_queue_s() -> float:
+    """Seconds this thread has waited for a core since it started (Linux's schedstat, read in about
+    15 us, once a window); 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def gpu_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:

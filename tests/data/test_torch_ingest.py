@@ -16,7 +16,6 @@ from sample_files import (
     every_batch,
     spoil,
     train,
-    write_cifar10,
     write_imagefolder,
     write_mnist,
     write_tinyimagenet,
@@ -238,14 +237,6 @@ def test_e2e_mnist_idx_files(tmp_path, ray_head):
     write_mnist(tmp_path / "data", n_train=256, n_val=64)
     summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "mnist",
                              "--data-dir", str(tmp_path / "data"), "--num-classes", "10", "--image-size", "28")
-    assert_learned(summary, rows)
-
-
-@pytest.mark.e2e
-def test_e2e_cifar10_pickles(tmp_path, ray_head):
-    write_cifar10(tmp_path / "data", n_train=256, n_val=64)
-    summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "cifar10",
-                             "--data-dir", str(tmp_path / "data"), "--num-classes", "10", "--image-size", "32")
     assert_learned(summary, rows)
 
 
