@@ -150,7 +150,7 @@ class StallWatch:
 
 
 MOVED_ON_S = 1.0
-"""How long after a stuck-looking sample the stacks are taken again, when the silence was moving before."""
+"""How long after a stuck-looking sample the stacks are taken again (a silence said slow or compiling, or before the first step)."""
 
 
 def moved_on(ranks: list[RankProcess], stacks: list[str]) -> bool:
