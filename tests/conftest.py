@@ -3,6 +3,10 @@
 Ray takes ~8 s to start on the CI machine, so end-to-end tests share one head started with
 `ray start --head --block` (its own process group, so teardown stops exactly this cluster) and run
 `raytrain run --address` against it, as a user on Slurm or any existing cluster would.
+
+The suite runs in two pytest-xdist workers, a whole file at a time (pyproject's addopts): the Slurm
+testbed's tests, one file, run one after another on one worker while the other worker goes through
+the rest, and each worker that needs the shared head starts its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from raytrain_ddp.net import free_port  # noqa: F401 (test modules import it fro
 REPO = Path(__file__).resolve().parents[1]
 HEAD_CPUS = 4
 """Logical CPUs: 2 training workers, and 2 left for Ray Data's decode tasks (--loader ray)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Slurm testbed's tests first, so that its file is the first work one xdist worker is given
+    (--dist loadfile --no-loadscope-reorder): the testbed's waits then overlap the rest of the suite,
+    instead of running last on one worker while the other sits idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: each file keeps its order
 
 
 @pytest.fixture(scope="session")
