@@ -47,11 +47,12 @@ dist.init_process_group(backend=args.backend)  # env://, as under torchrun
 torch.manual_seed(0)
 
 stop = False
+signalled = False  # the handler's alone: the loop never writes it, so no update of the handler's is lost
 
 
 def on_sigterm(signum, frame):
-    global stop
-    stop = True
+    global signalled
+    signalled = True
 
 
 signal.signal(signal.SIGTERM, on_sigterm)
@@ -90,7 +91,7 @@ while epoch < args.epochs or (args.wait_for_sigterm and not stop):
     epoch += 1
     if args.wait_for_sigterm:
         # Every rank must see the stop at the same epoch, or one waits in all_reduce for the other.
-        flag = torch.tensor([float(stop)], device=device)
+        flag = torch.tensor([float(signalled)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop = bool(flag.item())
         time.sleep(0.2)
