@@ -247,11 +247,6 @@ wc -c <"$RAY_AUTH_TOKEN_PATH" >"$out/token_len"
 # so grep's own argv does not contain it).
 cat /proc/[0-9]*/cmdline /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n' |
     grep -cFf "$RAY_AUTH_TOKEN_PATH" >"$out/token_leaks"
-# Ray starts its dashboard beside the rest of the head, so on a busy machine it may come up late.
-for _ in $(seq 60); do
-    ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards" && break
-    sleep 0.5
-done
 # --gpu in a job given no GPUs: refused in seconds, before any worker starts, naming the sbatch flag.
 timeout 120 raytrain run --gpu --workers 2 --storage-path "$PWD/runs" --name gpu_hint >"$out/gpu_hint" 2>&1 &
 # No --cpus-per-worker: on CPU the 2 workers share the 4 CPUs evenly, one 2-CPU node each.
@@ -265,6 +260,12 @@ if [ "$status" -eq 0 ]; then
         --train-samples 512 --val-samples 128 --batch-size 32 --data-workers 0
     status=$?
 fi
+# Last: Ray starts its dashboard beside the rest of the head, and on a busy machine a probe made just
+# after the cluster was up found none for 30 s.
+for _ in $(seq 60); do
+    ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards" && break
+    sleep 0.5
+done
 wait
 exit $status
 """
