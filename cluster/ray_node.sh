@@ -470,7 +470,7 @@ job_pids() {   # this job's Ray processes: those naming our temp dir, plus desce
     tagged=$(grep -lzxF "RAYTRAIN_RAY_NODE=$RAY_TMPDIR" /proc/[0-9]*/environ 2>/dev/null |
         cut -d/ -f3 | tr '\n' ' ' || true)
     # The path goes in through the environment: in awk's own argv it would match awk.
-    ps -e -o pid=,ppid=,uid=,args= | DIR="$RAY_TMPDIR/ray" TAGGED=" $tagged" awk -v uid="$(id -u)" -v self=$$ '
+    ps -ww -e -o pid=,ppid=,uid=,args= | DIR="$RAY_TMPDIR/ray" TAGGED=" $tagged" awk -v uid="$(id -u)" -v self=$$ '
         { pid[NR] = $1; ppid[NR] = $2; line = $0 " "; dir = ENVIRON["DIR"]
           if ($3 == uid && $1 != self &&
               (index(line, dir "/") || index(line, dir " ") || index(ENVIRON["TAGGED"], " " $1 " ")))

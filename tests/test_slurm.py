@@ -263,9 +263,11 @@ fi
 # Last: Ray starts its dashboard beside the rest of the head, and on a busy machine a probe made just
 # after the cluster was up found none for 30 s.
 for _ in $(seq 60); do
-    ps -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards" && break
+    ps -ww -eo args= | grep -F "$(dirname "$RAY_AUTH_TOKEN_PATH")/" | grep dashboard/dashboard.py >"$out/dashboards" && break
     sleep 0.5
 done
+[ -s "$out/dashboards" ] || tail -n 15 "$(dirname "$RAY_AUTH_TOKEN_PATH")"/ray_start.out \
+    "$(dirname "$RAY_AUTH_TOKEN_PATH")"/ray/session_latest/logs/dashboard.{log,err,out} >"$out/no_dashboard" 2>&1
 wait
 exit $status
 """
