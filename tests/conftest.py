@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: each file keeps its order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_shapes_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The drivers' cache of built-in models' shapes (driver/model_shapes.py) in the session's temp
+    dir, not the user's ~/.cache; every driver a test starts inherits it."""
+    root = tmp_path_factory.mktemp("xdg-cache")
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    return root
+
+
 @pytest.fixture(scope="session")
 def ray_head() -> Head:
     with local_head(num_cpus=HEAD_CPUS) as head:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,18 +17,27 @@ from test_profiling import check_profiled_run
 
 from raytrain_ddp.checkpoint.files import STATE, latest_checkpoint
 from raytrain_ddp.cli import main
+from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
+from raytrain_ddp.driver.model_shapes import model_shapes
 from raytrain_ddp.driver.startup import RUN_STAGES, stages_line
 
 
 @pytest.mark.e2e
 def test_run_starts_a_local_ray_and_learns(tmp_path):
-    """The README's first command, with no cluster around: a private local Ray on CPU."""
-    proc = raytrain(
-        "run", "--workers", "2", "--epochs", "2", "--train-samples", "1024", "--val-samples", "256",
-        "--data-workers", "0", "--storage-path", str(tmp_path), "--name", "local",
+    """The README's first command, with no cluster around: a private local Ray on CPU. Its model
+    was built before (the cache of driver/model_shapes.py), so its driver never imports torch."""
+    model_shapes(TrainConfig(), None, 3)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "raytrain_ddp", "run", "--workers", "2", "--epochs", "2",
+         "--train-samples", "1024", "--val-samples", "256", "--data-workers", "0", "--storage-path", str(tmp_path),
+         "--name", "local"],
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, capture_output=True, text=True, timeout=300,
     )
+    imports = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    proc.stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ray.train" in imports and "torch" not in imports
     run_dir = tmp_path / "local"
     rows = read_csv(run_dir / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]

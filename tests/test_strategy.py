@@ -27,6 +27,7 @@ from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.checkpoint import files, state_dicts
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.driver.model_shapes import estimate_state_mib, of
 from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.worker.epoch_metrics import evaluate
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
@@ -195,7 +196,7 @@ def test_the_preflight_estimate_is_what_the_ranks_measured(each_way, name):
     cfg = config(**ADAMW) if name == "ddp" else config(**ADAMW, strategy="fsdp", sharding=name)
     with torch.device("meta"):
         model = Net()
-    assert strategy.estimate_state_mib(model, cfg, world_size=2, ranks_per_node=1) == pytest.approx(each_way[name][2], rel=1e-9)
+    assert estimate_state_mib(of(model), cfg, world_size=2, ranks_per_node=1) == pytest.approx(each_way[name][2], rel=1e-9)
 
 
 def test_the_estimate_of_torchvision_resnet50():
@@ -208,13 +209,13 @@ def test_the_estimate_of_torchvision_resnet50():
         model = MODELS["resnet50"](num_classes=1000, in_channels=3)
     params_mib = 25_557_032 * 4 / 2**20
     sgd, adamw, plain = config(model="resnet50"), config(model="resnet50", optimizer="adamw"), config(model="resnet50", momentum=0.0)
-    assert strategy.estimate_state_mib(model, sgd, world_size=8) == pytest.approx(3 * params_mib)
-    assert strategy.estimate_state_mib(model, adamw, world_size=8) == pytest.approx(4 * params_mib)
-    assert strategy.estimate_state_mib(model, plain, world_size=8) == pytest.approx(2 * params_mib)
-    sharded = strategy.estimate_state_mib(model, config(model="resnet50", strategy="fsdp"), world_size=8)
+    assert estimate_state_mib(of(model), sgd, world_size=8) == pytest.approx(3 * params_mib)
+    assert estimate_state_mib(of(model), adamw, world_size=8) == pytest.approx(4 * params_mib)
+    assert estimate_state_mib(of(model), plain, world_size=8) == pytest.approx(2 * params_mib)
+    sharded = estimate_state_mib(of(model), config(model="resnet50", strategy="fsdp"), world_size=8)
     assert 3 * params_mib / 8 <= sharded < 1.01 * 3 * params_mib / 8
     hybrid = config(model="resnet50", strategy="fsdp", sharding="hybrid")
-    assert strategy.estimate_state_mib(model, hybrid, world_size=8, ranks_per_node=4) == pytest.approx(2 * sharded, rel=0.01)
+    assert estimate_state_mib(of(model), hybrid, world_size=8, ranks_per_node=4) == pytest.approx(2 * sharded, rel=0.01)
 
 
 def huge(num_classes: int, in_channels: int) -> nn.Module:
@@ -233,7 +234,7 @@ def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
 
     # an address, so a GPU on the machine running the test is not taken for the cluster's
     big = {"model": "mine:huge", "optimizer": "adamw", "gpu": True, "workers": 8, "address": "10.0.0.1:6379"}
-    model = build_on_meta(TrainConfig(**big), huge, 3)
+    model = of(build_on_meta(TrainConfig(**big), huge, 3))
     with pytest.raises(ConfigError, match=r"ddp needs about 20\.0 GiB per GPU for the model state alone, more than the "
                                           r"16\.0 GiB of the cluster's T4 GPUs; pass --strategy fsdp \(about 2\.5 GiB per rank at 8 ranks\)$"):
         state_preflight(TrainConfig(**big), model, T4_NODES)

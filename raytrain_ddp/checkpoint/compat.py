@@ -4,8 +4,8 @@ seconds, before any worker starts.
 Rank 0 writes RESUME_INFO into every checkpoint (checkpointer.py): the resolved config that saved
 it, where it stands, and the model's state-dict shapes. A change that alters what the saved position
 means is refused in one line; a safe one is applied, one line per key; the rest (how the run runs,
-not what it trains) goes through silently. No Ray and no torch here: the preflight builds the model on
-the meta device, once, and hands it in.
+not what it trains) goes through silently. No Ray and no torch here: the preflight hands in the model's
+shapes (driver/model_shapes.py).
 """
 
 from __future__ import annotations
@@ -120,9 +120,8 @@ def compare(saved: dict[str, Any], new: TrainConfig, run: str) -> list[str]:
     return lines
 
 
-def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run: str) -> None:
-    """Raise one line naming a state-dict key where `model` and the checkpoint's shapes differ."""
-    here = {key: list(value.shape) for key, value in model.state_dict().items()}
+def check_shapes(here: dict[str, list[int]], shapes: dict[str, list[int]], cfg: TrainConfig, run: str) -> None:
+    """Raise one line naming a state-dict key where the model's shapes (`here`) and the checkpoint's differ."""
     differ = [
         f"{key} is {shapes[key]} there, {here[key]} here" for key in here if key in shapes and shapes[key] != here[key]
     ]
@@ -136,13 +135,15 @@ def check_shapes(model: Any, shapes: dict[str, list[int]], cfg: TrainConfig, run
         )
 
 
-def check_resume(cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, model: Any) -> list[str]:
+def check_resume(
+    cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, shapes: dict[str, list[int]],
+) -> list[str]:
     """A (re)start's fit with its checkpoint (files.resume_choice): the lines to print, or ConfigError.
-    The config is compared, and `model`, built on the meta device with the checkpoint's
-    in_channels, checked against the checkpoint's shapes."""
+    The config is compared, and the model's state-dict shapes with the checkpoint's in_channels
+    (driver/model_shapes.py) checked against the checkpoint's."""
     if saved is not None:
         lines = compare(saved, cfg, cfg.name)
-        check_shapes(model, saved["model_shapes"], cfg, cfg.name)
+        check_shapes(shapes, saved["model_shapes"], cfg, cfg.name)
         return lines
     if checkpoint_dir is not None:
         return [f"resume: {checkpoint_dir.name} predates {RESUME_INFO}; resuming without compatibility checks"]

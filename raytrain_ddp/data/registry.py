@@ -1,5 +1,6 @@
 """The dataset registry: --dataset name (or the user's import path) to a builder of train and val
-Datasets, with splits and caps; and the driver's checks of --data-dir, in seconds, before any worker starts.
+Datasets, with splits and caps; and the driver's check of a built-in dataset's files (dataset_checks.py
+calls it), in seconds, before any worker starts.
 
 The file formats themselves are read by formats.py; transforms.py wraps the samples for the model.
 """
@@ -28,9 +29,6 @@ SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are not given."""
 SPLIT_SEED = 0
 """Seeds the held-out val split and the sample caps. Fixed, not --seed: runs compare on one val set."""
-BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
-"""in_channels of the built-in datasets, as their readers (data.formats) decode them; parquet's is in
-its manifest."""
 
 
 class Data(NamedTuple):
@@ -141,15 +139,6 @@ def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data
     return Data(splits[0], splits[1], in_channels=int(first[0].shape[0]))
 
 
-def dataset_channels(cfg: TrainConfig) -> int | None:
-    """in_channels for a fresh run, where it costs nothing to know; None for the user's own dataset."""
-    if cfg.dataset in BUILT_IN_CHANNELS:
-        return BUILT_IN_CHANNELS[cfg.dataset]
-    if cfg.dataset == "parquet" and cfg.data_dir:
-        return int(formats.read_manifest(Path(cfg.data_dir).expanduser())["channels"])
-    return None
-
-
 def data_root(cfg: TrainConfig) -> Path:
     if not cfg.data_dir:
         raise ConfigError(f"--dataset {cfg.dataset} reads files: pass --data-dir DIR")
@@ -199,26 +188,7 @@ def cap(samples: Samples, limit: int | None) -> Samples:
     return samples.select(np.sort(keep))
 
 
-# --- driver-side checks ---
-
-def validate(cfg: TrainConfig) -> None:
-    """Driver-side checks that fail in seconds, before any worker starts (names the fix): the
-    dataset's name, its files (with --download, fetched first if not already in --data-dir), or
-    the user's dataset by import path (it must import)."""
-    own = plugins.is_import_path(cfg.dataset)
-    if not own and cfg.dataset not in DATASETS:
-        raise ConfigError(
-            f"unknown --dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}, or give your own as "
-            "PKG.MODULE:CALLABLE"
-        )
-    if cfg.loader == "ray" and cfg.dataset != "parquet":
-        how = f"`raytrain data convert SRC DST --format {cfg.dataset}`" if cfg.dataset in READERS else "`raytrain data convert`"
-        raise ConfigError(f"--loader ray reads Parquet shards: write them with {how}, then pass --dataset parquet --data-dir DST")
-    if not own and cfg.dataset != "synthetic":
-        check_files(cfg)
-    if own:
-        plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
-
+# --- the driver's check of a built-in dataset's files (dataset_checks.validate) ---
 
 def check_files(cfg: TrainConfig) -> None:
     """A built-in dataset's files: present (or downloaded with --download), labels within

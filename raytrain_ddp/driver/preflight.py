@@ -20,7 +20,9 @@ from raytrain_ddp import plugins, ray_compat
 from raytrain_ddp.checkpoint.compat import check_resume
 from raytrain_ddp.checkpoint.files import ResumeChoice, read_info, resume_choice, set_aside
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.data.dataset_checks import dataset_channels, validate
 from raytrain_ddp.driver import resources, run_lock, session, tracking
+from raytrain_ddp.driver.model_shapes import ModelShapes, estimate_state_mib, model_shapes
 from raytrain_ddp.driver.resources import size
 from raytrain_ddp.ray_compat.snapshot import snapshot_ray_version
 
@@ -43,9 +45,9 @@ class RunPlan:
     """The Python API's model and dataset callables, sent to the ranks by value (none from the CLI)."""
     resume_lines: tuple[str, ...] = ()
     """What a resume applies from this request to the checkpoint's run, one line each (printed)."""
-    model: Any = None
-    """--model built on the meta device (shapes, no memory): what the resume and the state estimate
-    were checked against; None where the command trains no model of ours (launch)."""
+    model_shapes: ModelShapes | None = None
+    """--model's shapes (model_shapes.py): what the resume and the state estimate were checked
+    against; None where the command trains no model of ours (launch)."""
     code: dict[str, tuple[Path, Path]] = field(default_factory=dict)
     """The user's --model/--dataset import paths, each with its module's file and the sys.path
     directory it was imported from here: where the workers import it from, or what is shipped."""
@@ -102,9 +104,9 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
     stop_check()
     nodes, free_cpus = wait_for_room(checked.cfg, stop_check, say)
     cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus, say))
-    state_mib = model_state(cfg, checked.model, nodes) if trains else None
+    state_mib = model_state(cfg, checked.model_shapes, nodes) if trains else None
     marks["placement"] = time.time()
-    return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model, checked.code,
+    return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model_shapes, checked.code,
                    checked.accum_steps, state_mib, marks, checked.resume)
 
 
@@ -112,10 +114,10 @@ def check_request(
     cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bool = True, dry: bool = False,
 ) -> RunPlan:
     """Every check that needs no Ray, in seconds: the Ray features the request needs, and for a
-    command that trains the trackers' packages, --model (built once, on the meta device), a resume's
-    fit with its checkpoint, and --dataset and its files. Returns the plan before the cluster's part:
-    cfg with its name, absolute storage path and the Python API's model and dataset, the run
-    directory, the callables to send by value, the resume's lines (printed) and the model on meta."""
+    command that trains the trackers' packages, --model's shapes, a resume's fit with its checkpoint,
+    and --dataset and its files. Returns the plan before the cluster's part: cfg with its name,
+    absolute storage path and the Python API's model and dataset, the run directory, the callables to
+    send by value, the resume's lines (printed) and the model's shapes."""
     if cfg.elastic:
         ray_compat.require("elastic")
     if not trains:
@@ -123,12 +125,12 @@ def check_request(
     cfg, given = user_parts(cfg, model, dataset)
     tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
-    meta, lines, choice = check_parts(cfg, run_dir, given, dry)
+    shapes, lines, choice = check_parts(cfg, run_dir, given, dry)
     for line in lines:
         print(line, file=sys.stderr)
     # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
     code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
-    return RunPlan(cfg, run_dir, given, tuple(lines), meta, code, cfg.accum_steps(cfg.workers), resume=choice)
+    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice)
 
 
 def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
@@ -141,27 +143,24 @@ def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig,
 
 def check_parts(
     cfg: TrainConfig, run_dir: Path, given: dict[str, Callable[..., Any]], dry: bool,
-) -> tuple[Any, list[str], ResumeChoice | None]:
-    """--model, built once on the meta device, which proves that it imports and returns an
-    nn.Module, with the channels of the checkpoint it resumes from, else of --dataset; --dataset and
-    its files (unless the Python API gave a callable: the user's to check); and the resume's lines,
-    its checkpoint's config and shapes checked against this request (checkpoint/compat.py); and
-    which checkpoint it resumes from, the newest whole one (checkpoint/files.py)."""
-    # torch (the model on meta, the datasets' registry) only here: every command imports this module
-    from raytrain_ddp.data.registry import dataset_channels, validate
-    from raytrain_ddp.worker.models import build_on_meta
-
+) -> tuple[ModelShapes, list[str], ResumeChoice | None]:
+    """--model's shapes with the channels of the checkpoint it resumes from, else of --dataset (the
+    user's own --model is built, which proves that it imports and returns an nn.Module); --dataset
+    and its files (unless the Python API gave a callable: the user's to check); and the resume's
+    lines, its checkpoint's config and shapes checked against this request (checkpoint/compat.py);
+    and which checkpoint it resumes from, the newest whole one (checkpoint/files.py). torch is
+    imported only for what needs it: a model not built before, a dataset's files."""
     choice = resume_choice(run_dir, snapshot_ray_version()) if cfg.resume else None
     checkpoint_dir = choice.checkpoint if choice is not None else None
     saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
-    model = build_on_meta(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3)
+    shapes = model_shapes(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3)
     if dry and cfg.download and "dataset" not in given:
         print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
     elif "dataset" not in given:
         validate(cfg)
-    lines = check_resume(cfg, checkpoint_dir, saved, model)
+    lines = check_resume(cfg, checkpoint_dir, saved, shapes.state)
     said = choice.line(None) if dry and choice is not None else None  # a real run says it once it moved the snapshot
-    return model, [said, *lines] if said else lines, choice
+    return shapes, [said, *lines] if said else lines, choice
 
 
 def take_checkpoint(checked: RunPlan) -> None:
@@ -260,25 +259,23 @@ def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int], say: Calla
     return chosen._asdict()
 
 
-def model_state(cfg: TrainConfig, model: Any, nodes: list[dict] | None = None) -> float:
+def model_state(cfg: TrainConfig, shapes: ModelShapes, nodes: list[dict] | None = None) -> float:
     """Say, in one line, about how much model state (parameters, gradients, optimizer state) each
-    rank will hold, under this strategy and the other, from `model` on the meta device (check_model);
-    and return this strategy's. With --gpu, refuse a run whose state alone exceeds the GPU memory,
+    rank will hold, under this strategy and the other, from the model's shapes (check_parts); and
+    return this strategy's. With --gpu, refuse a run whose state alone exceeds the GPU memory,
     and warn when it takes over half of it (activations need the rest), naming --strategy fsdp.
     `nodes` None: no cluster yet (--dry-run); then only a local GPU is looked at."""
-    from raytrain_ddp.worker import parallel
-
     # What the cluster gives first, then the model: the driver's facts before the workers' code.
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
     per_node = resources.ranks_per_node(cfg, nodes or [])
     memory = resources.gpu_mib(nodes or [], local=session.ray_address(cfg) is None) if cfg.gpu else None
-    mine = parallel.estimate_state_mib(model, cfg, world, per_node)
+    mine = estimate_state_mib(shapes, cfg, world, per_node)
     # The other strategy, as its own run would be configured (DDP-only options dropped, not refused)
     other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full",
                                 find_unused_parameters=False)
-    theirs = parallel.estimate_state_mib(model, other, world, per_node)
+    theirs = estimate_state_mib(shapes, other, world, per_node)
     name = "ddp" if cfg.strategy == "ddp" else f"fsdp --sharding {cfg.sharding}"
-    params = sum(p.numel() for p in model.parameters())
+    params = shapes.count
     print(
         f"model state: {params / 1e6:.1f}M parameters; with their gradients and {cfg.optimizer} state about "
         f"{size(mine)} per rank under --strategy {name} at {world} rank{'s' if world > 1 else ''} ({other.strategy}: {size(theirs)}), "

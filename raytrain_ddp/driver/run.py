@@ -1,4 +1,4 @@
-"""`raytrain run`: plan the run, start TorchTrainer on our worker loop, show its progress, write its files.
+"""`raytrain run`: plan the run, start Ray Train on our worker loop, show its progress, write its files.
 
 The shared parts (preflight, signals, the watch loop, summary.json) are the driver core's
 (preflight.py, core.py); what is `run`'s own is here: the trainer, rank 0's news through the sink,
@@ -41,7 +41,7 @@ def dry_run(cfg: TrainConfig) -> None:
     """Every check that needs no cluster, then the resolved config and Ray Train's configs; start nothing."""
     checked = preflight.check_request(cfg, dry=True)
     cfg, run_dir = checked.cfg, checked.run_dir
-    preflight.model_state(cfg, checked.model)  # with --gpu checked against a local GPU only
+    preflight.model_state(cfg, checked.model_shapes)  # with --gpu checked against a local GPU only
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
@@ -79,9 +79,10 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
 def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None,
           on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Start the trainer and watch it to its end; the summary, or why the run did not finish."""
-    from ray.train.torch import TorchTrainer
+    # TorchTrainer is DataParallelTrainer with TorchConfig, whose work ours does (ProcessGroupConfig),
+    # and its module imports torch: the driver of a run checked without torch never imports it.
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
     from raytrain_ddp.driver.sink import MetricsSink
     from raytrain_ddp.ray_compat import fast
     from raytrain_ddp.worker.entry import train_entry
@@ -89,17 +90,16 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     cfg = plan.cfg
     display = Display(cfg.progress, cfg.epochs)
     trackers = tracking.start(cfg, plan.run_dir)
-    scaling, run_config, torch_config = trainer_configs(cfg)
+    scaling, run_config, process_group = trainer_configs(cfg)
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
-    trainer = fast(TorchTrainer)(
+    trainer = fast(DataParallelTrainer)(
         train_entry,
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": plan.given, "code_paths": code_paths,
                            "resume_from": resume_from(plan)},
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=torch_config,
-        datasets=ray_datasets(cfg),
-        dataset_config=ray_data_config(cfg),
+        backend_config=process_group,
+        **ray_data(cfg),
     )
     announce(plan, display)
     news = RunNews(sink, display, plan, trackers, StartupClock(launched, started, plan, RUN_STAGES), on_rows)
@@ -121,6 +121,16 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     finally:
         trackers.finish(plan.run_dir / "summary.json", ok=summary is not None)  # a stopped run resumes it later
     return summary
+
+
+def ray_data(cfg: TrainConfig) -> dict[str, Any]:
+    """The trainer's datasets and dataset_config for --loader ray; none otherwise, and then
+    ray_ingest (torch) is not imported."""
+    if cfg.loader != "ray":
+        return {}
+    from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
+
+    return {"datasets": ray_datasets(cfg), "dataset_config": ray_data_config(cfg)}
 
 
 def resume_from(plan: RunPlan) -> str | None:

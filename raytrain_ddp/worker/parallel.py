@@ -17,7 +17,6 @@ block (FSDP1's size-based policy). The root is always sharded last, and takes wh
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.worker.models import MODELS
 
-# FSDP, DTensor and DCP are imported where they are used: the driver imports this module for the
-# preflight estimate (estimate_state_mib), and torch.distributed.tensor alone costs it about a second.
+# FSDP, DTensor and DCP are imported where they are used: torch.distributed.tensor alone costs about a
+# second, which a DDP rank never needs to pay.
 
 MIN_BLOCK_PARAMS = 1_000_000
 """The default FSDP policy's smallest block, in parameters: smaller modules stay with their parent."""
@@ -203,35 +202,4 @@ def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     total = sum(local_bytes(p) * (2 if p.requires_grad else 1) for p in model.parameters())
     for state in optimizer.state.values():
         total += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return total / 2**20
-
-
-def optimizer_copies(cfg: TrainConfig) -> int:
-    """Tensors of optimizer state per trainable parameter, each its size: AdamW's two moments, SGD's
-    momentum buffer (none without momentum)."""
-    if cfg.optimizer == "adamw":
-        return 2
-    return 1 if cfg.momentum else 0
-
-
-def state_shards(cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> int:
-    """Over how many ranks each parameter is split: none under DDP, the world under FSDP, the ranks
-    of one node under hybrid sharding (the nodes hold replicas)."""
-    if cfg.strategy != "fsdp" or world_size < 2:
-        return 1
-    return min(ranks_per_node or world_size, world_size) if cfg.sharding == "hybrid" else world_size
-
-
-def estimate_state_mib(model: nn.Module, cfg: TrainConfig, world_size: int, ranks_per_node: int | None = None) -> float:
-    """What state_mib will measure on the largest rank after a step, from the model's shapes alone
-    (a model on the meta device will do): parameters, a gradient and the optimizer's state per
-    trainable one. FSDP2 splits each parameter along its first dimension in chunks of
-    ceil(rows / shards); rank 0 always holds a full chunk, so it is the largest."""
-    shards = state_shards(cfg, world_size, ranks_per_node)
-    per_trainable = 2 + optimizer_copies(cfg)  # itself, its gradient, the optimizer's copies
-    total = 0
-    for p in model.parameters():
-        rows = math.ceil(p.shape[0] / shards) if p.dim() else 1
-        local = rows * math.prod(p.shape[1:]) * p.element_size()
-        total += local * (per_trainable if p.requires_grad else 1)
     return total / 2**20

@@ -9,7 +9,8 @@ from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data import formats
 from raytrain_ddp.data.convert import convert
 from raytrain_ddp.data.download import DOWNLOADS
-from raytrain_ddp.data.registry import DATASETS, SYNTHETIC_SIZES, split, validate
+from raytrain_ddp.data.dataset_checks import BUILT_IN, FROM_FILES, validate
+from raytrain_ddp.data.registry import DATASETS, READERS, SYNTHETIC_SIZES, split
 
 
 def test_a_real_dataset_is_used_whole_by_default(tmp_path):
@@ -30,6 +31,11 @@ def test_caps_keep_a_fixed_random_subset(tmp_path):
     assert len(set(train.labels.tolist())) > 1  # not just the first class folder
 
 # --- validate(): fast driver-side checks ---
+
+def test_the_drivers_names_are_the_registrys():
+    """dataset_checks.py names the built-in datasets without importing the registry (torch): the two must agree."""
+    assert set(BUILT_IN) == set(DATASETS) and set(FROM_FILES) == set(READERS)
+
 
 def check_fails(cfg: TrainConfig, *words: str) -> str:
     with pytest.raises(ConfigError) as err:

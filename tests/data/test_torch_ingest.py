@@ -25,7 +25,8 @@ from raytrain_ddp.data import formats
 from raytrain_ddp.data.batches import UNREADABLE, Batches, SkipCount
 from raytrain_ddp.data.convert import convert
 from raytrain_ddp.data.loaders import make_loaders
-from raytrain_ddp.data.registry import DATASETS, validate
+from raytrain_ddp.data.dataset_checks import validate
+from raytrain_ddp.data.registry import DATASETS
 from raytrain_ddp.data.torch_ingest import STREAMS, PerSampleRandom, epoch_shard, sample_seed, trained_position
 
 # --- the torch ingest path: sharding ---
