@@ -175,11 +175,13 @@ def take_checkpoint(checked: RunPlan) -> None:
 
 
 def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
-    """Fill in the run name and the absolute storage path; return the run directory, <storage-path>/<name>."""
+    """Fill in the run name, and make the storage path and --data-dir absolute; return the run
+    directory, <storage-path>/<name>."""
     name = cfg.name or time.strftime("run-%Y%m%d-%H%M%S")
-    # Ray needs an absolute path: workers on other nodes do not share the driver's cwd.
+    # The ranks do not start in the driver's directory (Ray Train gives each its own), wherever they run.
     storage = Path(cfg.storage_path).expanduser().absolute()
-    cfg = dataclasses.replace(cfg, name=name, storage_path=str(storage))
+    data_dir = str(Path(cfg.data_dir).expanduser().absolute()) if cfg.data_dir else cfg.data_dir
+    cfg = dataclasses.replace(cfg, name=name, storage_path=str(storage), data_dir=data_dir)
     return cfg, storage / name
 
 

@@ -137,12 +137,12 @@ def every_batch(loaders: Loaders) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(loaders.train) + list(loaders.val)
 
 
-def train(tmp_path: Path, env: dict, *args: str) -> tuple[dict, list[dict], str]:
-    """Run the real CLI (flags after TINY override it); return summary.json, metrics rows, stderr."""
+def train(tmp_path: Path, env: dict, *args: str, cwd: Path | None = None) -> tuple[dict, list[dict], str]:
+    """Run the real CLI (flags after TINY override it) in `cwd`; return summary.json, metrics rows, stderr."""
     result = raytrain(
         "run", *TINY, "--epochs", "2", "--batch-size", "16", "--train-samples", "0", "--val-samples", "0",
         "--num-classes", str(CLASSES), "--storage-path", str(tmp_path / "runs"), "--name", "e2e", *args,
-        env=env,
+        env=env, cwd=cwd,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "e2e"

@@ -234,11 +234,13 @@ def test_e2e_uneven_validation_finishes_and_counts_every_sample_once(tmp_path, r
 
 
 @pytest.mark.e2e
-def test_e2e_mnist_idx_files(tmp_path, ray_head):
+def test_e2e_mnist_idx_files_under_a_relative_data_dir(tmp_path, ray_head):
+    """`--data-dir data`, as the README writes it: the ranks do not start in the driver's directory."""
     write_mnist(tmp_path / "data", n_train=256, n_val=64)
     summary, rows, _ = train(tmp_path, ray_head.env, "--address", ray_head.address, "--dataset", "mnist",
-                             "--data-dir", str(tmp_path / "data"), "--num-classes", "10", "--image-size", "28")
+                             "--data-dir", "data", "--num-classes", "10", "--image-size", "28", cwd=tmp_path)
     assert_learned(summary, rows)
+    assert summary["config"]["data_dir"] == str(tmp_path / "data")
 
 
 @pytest.mark.e2e
