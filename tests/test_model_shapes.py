@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver import model_shapes as ms
 from raytrain_ddp.worker.models import MODELS
 
 CHECK = """
 import sys
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver import preflight
 cfg = TrainConfig(workers=2, storage_path=sys.argv[1], name="shapes", model=sys.argv[2])
 plan = preflight.check_request(cfg)
@@ -79,3 +79,13 @@ def test_the_users_own_model_is_built_every_time_and_never_kept(cache):
     assert ms.model_shapes(cfg, build, 3).count == 3 * 10 + 10
     assert ms.model_shapes(cfg, build, 3).count == 3 * 10 + 10
     assert calls == [10, 10] and not cache.exists()
+
+
+def test_a_model_with_lazy_layers_is_refused_in_one_line(cache):
+    """DDP refuses uninitialized parameters on every rank; the driver says so first, naming the fix."""
+    def lazy(num_classes: int, in_channels: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+
+    with pytest.raises(ConfigError, match=r"^--model __main__:lazy has lazy layers, whose parameters \(1\.weight and more\) "
+                                          r"have no shape .*nn\.Linear for nn\.LazyLinear"):
+        ms.model_shapes(TrainConfig(model="__main__:lazy"), lazy, 3)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import plugins
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import ConfigError, TrainConfig
 
 CACHE_ENTRIES = 64
 """Models kept in the cache, the newest: a name, --num-classes and channels each."""
@@ -80,10 +80,26 @@ def model_shapes(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels
             pass  # not an entry this code wrote: built again below, and replaced
     from raytrain_ddp.worker.models import build_on_meta  # torch
 
-    shapes = of(build_on_meta(cfg, given, in_channels))
+    model = build_on_meta(cfg, given, in_channels)
+    refuse_lazy(cfg, model)
+    shapes = of(model)
     if key is not None:
         write_cache(key, shapes)
     return shapes
+
+
+def refuse_lazy(cfg: TrainConfig, model: Any) -> None:
+    """A model with lazy layers (nn.LazyLinear...) has no shapes until a forward, and DDP and FSDP
+    refuse it on every rank: say so here, in one line."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ConfigError(
+            f"--model {cfg.model} has lazy layers, whose parameters ({lazy[0]}{' and more' if len(lazy) > 1 else ''}) "
+            "have no shape until a forward, and DDP and FSDP need them before training; give those layers their "
+            "input sizes (nn.Linear for nn.LazyLinear), or run one forward on a sample input in the builder"
+        )
 
 
 def cache_key(cfg: TrainConfig, in_channels: int) -> str:
