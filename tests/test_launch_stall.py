@@ -81,6 +81,8 @@ def test_a_launched_rank_stuck_outside_a_collective_is_named_and_stack_shows_eve
     assert "cannot read" not in stderr, stderr[-3000:]
     stall = runs / "stuck" / "stall"
     assert "all_reduce" in (stall / "rank0.txt").read_text() and "Event.wait" in (stall / "rank1.txt").read_text()
+    [record] = json.loads((runs / "stuck" / "summary.json").read_text())["stalls"]  # written before the stall's exit
+    assert record["culprits"] == [1] and record["stacks"] == str(stall), record
     assert took < STALL_S + 30, f"{took:.0f} s: the stall was not acted on within {STALL_S} s + 30 s of it"
 
 

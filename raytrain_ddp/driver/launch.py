@@ -29,6 +29,7 @@ from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.startup import LAUNCH_STAGES
+from raytrain_ddp.driver.stops import Stalled
 from raytrain_ddp.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from raytrain_ddp.launch_output import TRACEBACK, mark, settled, unmark
 from raytrain_ddp.launch_records import (
@@ -49,6 +50,8 @@ HOLD_S = 5.0
 """How long a shown rank's traceback is held back from the terminal, waiting for its rank's exit to
 tell a root cause (shown whole, once) from a knock-on (one line); a script that lives on after it
 printed a traceback gets it shown after this."""
+HUB_ANSWER_S = 10.0
+"""How long a stalled run's driver waits for the hub's record of the ranks, for its summary.json."""
 MOST_KNOCK_ONS = 3
 """Knock-on failures named one line each; more are counted."""
 QUOTE_CHARS = 200
@@ -200,6 +203,14 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
 
     try:
         error = drive(trainer, signals, news, functools.partial(forward, hub, stop_grace_s), POLL_S)
+    except Stalled:  # the run ends on the stall's line: its summary.json first, with the stall in it
+        try:
+            outcome = ray.get(hub.outcome.remote(), timeout=HUB_ANSWER_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            outcome = None  # the stall's line says what matters, with no summary
+        if outcome is not None:
+            write_summary(plan, target, outcome, started, clock, watch.stalls)
+        raise
     finally:
         printer.close()
     outcome = ray.get(hub.outcome.remote())
