@@ -268,3 +268,18 @@ def test_the_pages_show_commands_at_all():
 def test_the_cli_reference_is_current():
     assert CLI_PAGE.read_text() == render(), (
         "docs/cli.md is stale; regenerate it: python -m raytrain_ddp.cli.reference docs/cli.md")
+
+
+def test_help_texts_survive_the_terminals_markup():
+    """`--help` renders help as Rich markup, where [word] is a style tag and vanishes: the sweep's
+    `{loguniform: [lo, hi]}`, `pip install 'raytrain-ddp[mlflow]'` and every run option's
+    `[default: 3]` were lost so. Every help text must print as written."""
+    from rich.text import Text
+
+    from raytrain_ddp.cli.reference import commands
+
+    texts = {" ".join(words): command.help or "" for words, command in commands(the_cli())}
+    texts |= {f"{' '.join(words)} {p.opts[0]}": p.help or "" for words, command in commands(the_cli())
+              for p in command.params if getattr(p, "help", None)}
+    eaten = {where: text for where, text in texts.items() if Text.from_markup(text).plain != text.replace("\\[", "[")}
+    assert not eaten, eaten

@@ -75,7 +75,7 @@ SWEEP_OWN = ("--space", "--trials", "--concurrent", "--scheduler", "--metric", "
 def sweep_command(
     cfg: TrainConfig,
     space: Path = typer.Option(..., "--space", help="YAML file: each key a run option's field, each value "
-                               "{loguniform|uniform|randint: [lo, hi]} or {choice|grid: [values]} (docs/sweep.md)."),
+                               "{loguniform|uniform|randint: [LO, HI]} or {choice|grid: [VALUES]} (docs/sweep.md)."),
     trials: int = typer.Option(8, "--trials", help="Samples drawn from the space (each repeats its grid keys); --seed fixes them."),
     concurrent: str = typer.Option("auto", "--concurrent", help="Trials at once: a number, or auto (as many as the cluster's free resources fit)."),
     scheduler: list[str] = typer.Option(
@@ -87,8 +87,7 @@ def sweep_command(
     eta: int = typer.Option(3, "--eta", help="ASHA: each rung keeps the best 1/eta of the trials."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the trials and the plan; start nothing."),
 ) -> None:
-    """Run a hyperparameter sweep: trials drawn from --space, each a full `raytrain run` with these run
-    options, packed into the cluster, with early stopping (--scheduler asha); the same command resumes it."""
+    """Run a hyperparameter sweep: trials drawn from --space, each a full `raytrain run` with these run options, packed into the cluster, with early stopping (--scheduler asha); the same command resumes it."""
     from raytrain_ddp.driver.sweep import SweepConfig, sweep
 
     if concurrent != "auto" and not concurrent.isdigit():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 
 from raytrain_ddp.config import FIELD_TYPES, TrainConfig, field_docs, flag_decls, resolve
 
@@ -35,8 +36,10 @@ def train_options(
         if f.name not in taken:
             continue
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
-        default = "" if f.default in (MISSING, None) else f" [default: {f.default}]"
-        option = typer.Option(None, *flag_decls(f.name), help=docs[f.name] + default, show_default=False)
+        # The option's own default is None ("not given", so a config file's value stands); --help shows the field's.
+        shown = False if f.default in (MISSING, None) else str(f.default)
+        # --help reads help as Rich markup, where [mlflow] (an extra's name) is a style tag and vanishes
+        option = typer.Option(None, *flag_decls(f.name), help=escape(docs[f.name]), show_default=shown)
         kind = str if f.name == "workers" else kinds[0]  # N, or MIN:MAX (config.parse_workers)
         generated.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
     config_file = inspect.Parameter(

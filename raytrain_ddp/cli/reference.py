@@ -46,7 +46,8 @@ def usage(words: tuple[str, ...], command: Any) -> str:
 
 
 def cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """Help text as a Markdown table cell: one line, Rich's markup escapes (options.py) undone."""
+    return " ".join(text.split()).replace("\\[", "[").replace("|", "\\|")
 
 
 def first_paragraph(command: Any) -> str:
@@ -64,7 +65,9 @@ def option_row(param: Any, ctx: Any) -> str:
     else:  # typer on click itself
         kind = param.type.name.upper()
     help_text = param.help or ""
-    if param.show_default and param.default is not None and "[default:" not in help_text:
+    if isinstance(param.show_default, str):  # a run option's field default (options.py)
+        help_text += f" [default: {param.show_default}]"
+    elif param.show_default and param.default is not None and "[default:" not in help_text:
         if param.is_flag and param.secondary_opts:
             help_text += f" [default: {param.opts[0] if param.default else param.secondary_opts[0]}]"
         elif not param.is_flag:
