@@ -47,12 +47,16 @@ def test_bad_import_path_is_one_line_before_any_worker(user_dir, args, fragments
 
 @pytest.mark.e2e
 def test_user_model_and_dataset_train_on_flat_vectors(ray_head, user_dir):
-    """Not installed, not images, and a layer skipped on odd steps: --find-unused-parameters trains it."""
+    """Not installed, not images, and a layer skipped on odd steps: --find-unused-parameters trains it.
+    The dataset comes from a second module beside the model's: the workers import both from there."""
+    shutil.copy(USER_CODE, user_dir / "user_data.py")
     proc = raytrain(
-        "run", *FLAT, "--find-unused-parameters", *TINY, "--epochs", "3", "--lr", "0.1", "--batch-size", "64",
-        "--storage-path", str(user_dir / "runs"), "--name", "flat", env=ray_head.env, cwd=user_dir,
+        "run", *FLAT, "--dataset", "user_data:vectors", "--find-unused-parameters", *TINY, "--epochs", "3", "--lr", "0.1",
+        "--batch-size", "64", "--storage-path", str(user_dir / "runs"), "--name", "flat", env=ray_head.env, cwd=user_dir,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("importing ")]
+    assert said == [f"importing user_code:SkipsOnOdd, user_data:vectors from {user_dir} on the workers (all on this machine)"], said
     rows = read_csv(user_dir / "runs" / "flat" / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     assert int(rows[0]["samples"]) == 1024  # the user's dataset is used whole, not capped by --train-samples

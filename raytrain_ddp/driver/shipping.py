@@ -102,12 +102,13 @@ def user_code(code: dict[str, tuple[Path, Path]]) -> tuple[list[str], dict[str, 
     """(directories the workers import the user's --model/--dataset modules from, runtime_env entries
     that ship them), from `code`: each import path with its module's file and the directory it was
     imported from on the driver (RunPlan.code)."""
-    specs, sources = list(code), set(code.values())
-    roots = {root for _, root in sources}
-    placements = [place(file, root) for file, root in sources]
+    placed = {source: place(*source) for source in set(code.values())}
+    roots = {root for _, root in placed}
+    placements = list(placed.values())
     if all(p.shared for p in placements):
-        for p in placements:
-            print(f"importing {', '.join(specs)} from {p.directory} on the workers ({p.describe()})")
+        for root in sorted(roots):  # one line per directory, with every module the workers import from it
+            specs = [spec for spec, source in code.items() if source[1] == root]
+            print(f"importing {', '.join(specs)} from {root} on the workers ({placed[code[specs[0]]].describe()})")
         return sorted(str(r) for r in roots), {}
     if len(roots) > 1:
         raise ConfigError(
