@@ -100,14 +100,24 @@ def convert(
 
 
 def clear(dst: Path, overwrite: bool) -> None:
+    """Make dst ready: refuse a finished conversion (its manifest) or folders with files that are not
+    our shards unless --overwrite; an unfinished one of ours (a decode error stopped it) is redone
+    without asking, as its error line tells the user to rerun."""
     ours = [dst / MANIFEST, dst / "train", dst / "val"]
+    unfinished = not ours[0].exists() and all(holds_only_shards(p) for p in ours[1:])
     if any(p.exists() for p in ours):
-        if not overwrite:
+        if not overwrite and not unfinished:
             raise ConfigError(f"{dst} already holds converted data; pass --overwrite or choose another DST")
         for p in ours:
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     for split in ("train", "val"):
         (dst / split).mkdir(parents=True, exist_ok=True)
+
+
+def holds_only_shards(split: Path) -> bool:
+    """A split folder that is missing, or holds nothing but shards this module writes."""
+    return not split.exists() or (split.is_dir() and all(f.name.startswith("part-") and f.suffix == ".parquet"
+                                                         for f in split.iterdir()))
 
 
 def write_split(

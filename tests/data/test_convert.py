@@ -82,7 +82,8 @@ def test_a_corrupt_image_is_named_or_skipped_and_counted(tmp_path):
     with pytest.raises(ConfigError, match="cannot decode image .*class_0/000[01]"):
         convert(tmp_path / "src", tmp_path / "dst", "imagefolder", progress=False)
     assert not (tmp_path / "dst" / "manifest.json").exists()  # no manifest: not a finished conversion
-    manifest = convert(tmp_path / "src", tmp_path / "dst", "imagefolder", skip_bad=True, overwrite=True, progress=False)
+    # the rerun the error asks for, into the same DST: the stopped conversion's folders are its own to redo
+    manifest = convert(tmp_path / "src", tmp_path / "dst", "imagefolder", skip_bad=True, progress=False)
     assert manifest["splits"]["train"]["skipped"] == 2 and manifest["splits"]["train"]["rows"] == 14
     assert str(jpeg) not in rows_of(tmp_path / "dst", "train")["source"]
 
@@ -92,6 +93,11 @@ def test_refuses_to_overwrite_without_the_flag(tmp_path):
     convert(tmp_path / "src", tmp_path / "dst", "imagefolder", progress=False)
     with pytest.raises(ConfigError, match="--overwrite"):
         convert(tmp_path / "src", tmp_path / "dst", "imagefolder", progress=False)
+    (tmp_path / "mine" / "train").mkdir(parents=True)
+    (tmp_path / "mine" / "train" / "notes.txt").write_text("the user's own")  # no manifest, but not ours either
+    with pytest.raises(ConfigError, match="--overwrite"):
+        convert(tmp_path / "src", tmp_path / "mine", "imagefolder", progress=False)
+    assert (tmp_path / "mine" / "train" / "notes.txt").exists()
     with pytest.raises(ConfigError, match="unknown --format 'png'"):
         convert(tmp_path / "src", tmp_path / "dst2", "png", progress=False)
 
