@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 EXIT_FAILED = 1
 """Training failed, or a launched script failed without an exit status of its own."""
 EXIT_BAD_INPUT = 2
@@ -24,6 +26,9 @@ def one_line(err: BaseException) -> str:
         rank, cause = min(failures.items())
         return f"training failed on rank {rank}: {one_line(cause)}"
     text = f"{type(err).__name__}: {err}"
+    if bad_label := re.search(r"IndexError: (Target -?\d+ is out of bounds)", text):  # cross_entropy's, on CPU
+        return (f"a sample's label is not below --num-classes (torch: {bad_label[1]}); pass --num-classes "
+                "above the largest label, or fix the labels")
     if "CUDA out of memory" in text:
         return "a worker ran out of GPU memory: lower --batch-size, or keep --amp on"
     if any(marker in text for marker in OOM_MARKERS):
