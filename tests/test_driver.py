@@ -5,6 +5,7 @@ resume is still a recorded restart, and the epoch it redoes is shown again."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -146,7 +147,16 @@ def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp
     rows = read_csv(run_dir / "metrics.csv")
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert all(r["samples"] == "2048" for r in rows)  # every sample of each epoch once, the stopped one too
-    assert json.loads((run_dir / "summary.json").read_text())["final"]["epoch"] == 2
+    summary = (run_dir / "summary.json").read_text()
+    assert json.loads(summary)["final"]["epoch"] == 2
+
+    # The same command once more (a job requeued after its end): said in one line, no Ray, nothing changed.
+    done = raytrain("run", *args, env=ray_head.env, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^run c already trained its 2 epochs \(checkpoint_\S+\); nothing to train: pass a larger --epochs",
+                     done.stderr, re.M), done.stderr[-2000:]
+    assert "run c:" not in done.stdout and "done: 2 gloo workers" in done.stdout
+    assert (run_dir / "summary.json").read_text() == summary
 
 
 DIES_AT_FIRST_SAVE = '''\

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raytrain_ddp.checkpoint.compat import compare
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
 from raytrain_ddp.doctor.bad_nodes import blame, crash_hosts, record_bad_node, stall_hosts
@@ -63,6 +66,8 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     time a new one comes; `code_paths`: where the workers import the user's --model/--dataset from,
     when the caller placed the code already (a sweep, once for all its trials)."""
     started = time.time()
+    if (trained := already_trained(cfg)) is not None:
+        return trained
     start_private_ray(cfg)  # without --address: it starts while the request is checked
     with signals or Signals() as signals:
         plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start)
@@ -74,6 +79,29 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
             return train(plan, signals, code_paths, started, launched, on_rows)
         finally:
             run_lock.release(plan.run_dir)  # the Python API's process lives on: another driver may have the name
+
+
+def already_trained(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The summary of a named run that trained its --epochs to the end, said in one line, when the
+    same command runs again (a second look, a job requeued after its end): Ray would start only to
+    train nothing. None for anything else, which then resumes or starts the usual way; a change the
+    checkpoint refuses (another --model, say) is refused here as it would be there."""
+    if not cfg.resume or not cfg.name:
+        return None
+    cfg, run_dir = preflight.resolve_run(cfg)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        checkpoint = latest_checkpoint(run_dir)
+        saved = read_info(checkpoint) if checkpoint is not None else None
+    except (OSError, ValueError, ConfigError):
+        return None  # no finished run here, or one to look at closer: the preflight does
+    if saved is None or saved["position"] or saved["epoch"] - 1 != cfg.epochs or summary["final"]["epoch"] != cfg.epochs:
+        return None
+    compare(saved, cfg, cfg.name)
+    epochs = f"{cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''}"
+    print(f"run {cfg.name} already trained its {epochs} ({checkpoint.name}); nothing to train: pass a larger --epochs "
+          "to train on, or --no-resume to start over", file=sys.stderr)
+    return summary
 
 
 def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None,
