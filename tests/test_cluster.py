@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver.resources import busy_problem, choose_layout, cpu_share, placement_problem
+from raytrain_ddp.driver.resources import busy_problem, choose_layout, cpu_share, placement_problem, size
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s
@@ -36,6 +36,11 @@ def test_too_few_gpus_names_the_layout():
 def test_gpu_on_a_cpu_cluster():
     problem = placement_problem(2, 1, True, [{"CPU": 8}])
     assert problem.startswith("--gpu asks for 2 GPUs, but the cluster has none") and "drop --gpu" in problem
+    assert placement_problem(1, 1, True, [{"CPU": 8}]).startswith("--gpu asks for 1 GPU, but")
+
+
+def test_sizes_read_as_a_person_writes_them():
+    assert [size(m) for m in (2048, 300, 2.54, 0.05)] == ["2.0 GiB", "300 MiB", "2.5 MiB", "51 KiB"]
 
 
 def test_cpus_do_not_split_across_nodes():

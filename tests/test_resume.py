@@ -129,7 +129,7 @@ def test_a_checkpoint_without_resume_info_resumes_unchecked(tmp_path):
 
 
 def test_a_model_that_is_no_module_is_refused_on_a_fresh_run(tmp_path):
-    with pytest.raises(ConfigError, match="--model __main__:<lambda> returned a dict, not a torch.nn.Module"):
+    with pytest.raises(ConfigError, match="--model __main__:<lambda> returned a value of type dict, not a torch.nn.Module"):
         check_parts(dataclasses.replace(CFG, model="__main__:<lambda>"), tmp_path, {"model": lambda **_: {}}, dry=True)
 
 

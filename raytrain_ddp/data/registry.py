@@ -124,7 +124,7 @@ def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data
         ds = build(split=split_name, data_dir=cfg.data_dir, image_size=cfg.image_size)
         if not (isinstance(ds, Dataset) and hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise ConfigError(
-                f"--dataset {name} returned a {type(ds).__name__} for split={split_name!r}; return a map-style "
+                f"--dataset {name} returned a value of type {type(ds).__name__} for split={split_name!r}; return a map-style "
                 "torch.utils.data.Dataset (with __len__ and __getitem__) of (input tensor, class index) pairs"
             )
         if len(ds) == 0:

@@ -279,7 +279,7 @@ def model_state(cfg: TrainConfig, shapes: ModelShapes, nodes: list[dict] | None 
     name = "ddp" if cfg.strategy == "ddp" else f"fsdp --sharding {cfg.sharding}"
     params = shapes.count
     print(
-        f"model state: {params / 1e6:.1f}M parameters; with their gradients and {cfg.optimizer} state about "
+        f"model state: {f'{params / 1e6:.1f}M' if params >= 100_000 else f'{params:,}'} parameters; with their gradients and {cfg.optimizer} state about "
         f"{size(mine)} per rank under --strategy {name} at {world} rank{'s' if world > 1 else ''} ({other.strategy}: {size(theirs)}), "
         "before activations",
         file=sys.stderr,

@@ -73,11 +73,11 @@ def placement_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list
             # only those: the fix is in the submission, not in dropping --gpu.
             each = -(-workers // len(nodes))
             return (
-                f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}): Slurm job "
+                f"--gpu asks for {workers} GPU{'s' if workers > 1 else ''}, but the cluster has none ({layout}): Slurm job "
                 f"{os.environ['SLURM_JOB_ID']} was given no GPUs; submit it with sbatch --gpus-per-node={each} "
                 f"(or --gres=gpu:{each})"
             )
-        return f"--gpu asks for {workers} GPUs, but the cluster has none ({layout}); drop --gpu to train on CPU"
+        return f"--gpu asks for {workers} GPU{'s' if workers > 1 else ''}, but the cluster has none ({layout}); drop --gpu to train on CPU"
     if gpu and total < workers:
         return f"asked for {workers} GPUs, the cluster has {total}: {layout}; lower --workers or add GPU nodes"
     need = f"{workers} workers x {cpus_per_worker} CPU{'s' if cpus_per_worker > 1 else ''}"
@@ -241,5 +241,7 @@ def ranks_per_node(cfg: TrainConfig, nodes: list[dict]) -> int | None:
 
 
 def size(mib: float) -> str:
-    """MiB as a person reads them: 1.5 GiB, 300 MiB, 2.5 MiB."""
+    """MiB as a person reads them: 1.5 GiB, 300 MiB, 2.5 MiB, 120 KiB."""
+    if mib < 0.1:
+        return f"{mib * 1024:.0f} KiB"
     return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"

@@ -223,6 +223,11 @@ def stderr_captured(enabled: bool) -> Iterator[Path | None]:
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Ray retries an unreachable GCS forever; a plain TCP connect fails in seconds instead."""
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--address {address} is a dashboard's (the Jobs API): run trains from a node of the cluster, at its "
+            "GCS address HEAD:6379; from elsewhere, submit it with `raytrain submit --address URL`"
+        )
     host, _, port = address.split("://")[-1].rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--address {address!r} is not host:port (e.g. 10.0.0.1:6379)")

@@ -197,7 +197,7 @@ def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Pat
     """--dry-run: the plan, printed; nothing started."""
     print(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
     for trial in trials:
-        print(f"  {trial.id}: {fmt(trial.params)}  ({trial.cfg.workers} workers)")
+        print(f"  {trial.id}: {fmt(trial.params)}  ({trial.cfg.workers} worker{'s' if trial.cfg.workers > 1 else ''})")
     at_once = sc.concurrent or "as many as the cluster's free resources fit"
     print(f"concurrent: {at_once}; trials in {sweep_dir / 'trials'}")
     return None

@@ -66,7 +66,7 @@ def model_builder(name: str, given: Callable[..., Any] | None = None) -> Callabl
     def checked(num_classes: int, in_channels: int) -> nn.Module:
         model = build(num_classes=num_classes, in_channels=in_channels)
         if not isinstance(model, nn.Module):
-            raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch.nn.Module")
+            raise ConfigError(f"--model {name} returned a value of type {type(model).__name__}, not a torch.nn.Module")
         return model
 
     return checked
