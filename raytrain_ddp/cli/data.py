@@ -21,11 +21,12 @@ def convert_command(
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Leave out unreadable images (and count them)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace shards already in DST."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    download: bool = typer.Option(False, "--download", help="Fetch a public dataset (mnist, cifar10, tinyimagenet) into SRC first, where its files are not there."),
 ) -> None:
     """Write a dataset as Parquet shards + manifest.json, for --dataset parquet (and --loader ray)."""
     manifest = convert(
         src, dst, fmt, val_fraction=val_fraction, shard_mib=shard_mib, group_mib=group_mib, seed=seed,
-        skip_bad=skip_bad, overwrite=overwrite, progress=progress,
+        skip_bad=skip_bad, overwrite=overwrite, progress=progress, download=download,
     )
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     skipped = train["skipped"] + val["skipped"]

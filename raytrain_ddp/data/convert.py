@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from raytrain_ddp.data.formats import Samples
 
 FORMATS = ("mnist", "cifar10", "tinyimagenet", "imagefolder")
-"""The source formats; their readers are data.READERS (imported late: torch is slow to import)."""
+"""The source formats; registry.read_layout reads them (imported late: torch is slow to import)."""
 MANIFEST = "manifest.json"
 MIB = 1 << 20
 
@@ -43,10 +43,12 @@ def convert(
     skip_bad: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    download: bool = False,
 ) -> dict[str, Any]:
-    """Write dst/{train,val}/part-NNNNN.parquet and dst/manifest.json; return the manifest."""
+    """Write dst/{train,val}/part-NNNNN.parquet and dst/manifest.json; return the manifest.
+    `download`: fetch a public dataset into src first where its files are not there."""
     from raytrain_ddp.data import formats
-    from raytrain_ddp.data.registry import READERS, hold_out
+    from raytrain_ddp.data.registry import hold_out, read_layout
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -54,9 +56,13 @@ def convert(
         raise ConfigError(f"--val-fraction must be between 0 and 1 (got {val_fraction})")
     if shard_mib <= 0 or group_mib <= 0 or group_mib > shard_mib:
         raise ConfigError(f"need 0 < --group-mib <= --shard-mib (got {group_mib} and {shard_mib})")
-    layout = READERS[fmt](Path(src).expanduser())
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if not src.is_dir() and not download:
+        raise ConfigError(f"SRC {src} is not a directory; give the dataset's directory (as --data-dir names it for run)")
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"DST {dst} is a file; give a directory for the shards")
+    layout = read_layout(fmt, src, download)
     train, val = (layout.train, layout.val) if layout.val is not None else hold_out(layout.train, val_fraction)
-    dst = Path(dst).expanduser()
     clear(dst, overwrite)
 
     from rich.console import Console

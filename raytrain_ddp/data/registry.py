@@ -193,16 +193,7 @@ def cap(samples: Samples, limit: int | None) -> Samples:
 def check_files(cfg: TrainConfig) -> None:
     """A built-in dataset's files: present (or downloaded with --download), labels within
     --num-classes, and the caps said when they leave samples out."""
-    if cfg.download and cfg.dataset not in DOWNLOADS:
-        raise ConfigError(f"--dataset {cfg.dataset} has no public source to download; drop --download")
-    root = data_root(cfg)
-    try:
-        layout = READERS[cfg.dataset](root)
-    except ConfigError:
-        if not cfg.download:
-            raise
-        download(cfg.dataset, root)
-        layout = READERS[cfg.dataset](root)
+    layout = read_layout(cfg.dataset, data_root(cfg), cfg.download)
     check_labels(cfg, layout)
     train, val = split(cfg, layout)
     full_train, full_val = split(dataclasses.replace(cfg, train_samples=0, val_samples=0), layout)
@@ -212,6 +203,20 @@ def check_files(cfg: TrainConfig) -> None:
             "(--train-samples, --val-samples); leave them out to use all",
             file=sys.stderr,
         )
+
+
+def read_layout(dataset: str, root: Path, fetch: bool) -> Layout:
+    """A built-in dataset's files under `root`; with `fetch` (--download), downloaded first where
+    they are not there yet."""
+    if fetch and dataset not in DOWNLOADS:
+        raise ConfigError(f"{dataset} has no public source to download; drop --download")
+    try:
+        return READERS[dataset](root)
+    except ConfigError:
+        if not fetch:
+            raise
+        download(dataset, root)
+        return READERS[dataset](root)
 
 
 def check_labels(cfg: TrainConfig, layout: Layout) -> None:

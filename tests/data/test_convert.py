@@ -98,6 +98,13 @@ def test_refuses_to_overwrite_without_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="--overwrite"):
         convert(tmp_path / "src", tmp_path / "mine", "imagefolder", progress=False)
     assert (tmp_path / "mine" / "train" / "notes.txt").exists()
+    with pytest.raises(ConfigError, match=r"^SRC \S+/nothing is not a directory; give the dataset's directory"):
+        convert(tmp_path / "nothing", tmp_path / "dst3", "imagefolder", progress=False)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"^DST \S+/a-file is a file; give a directory"):
+        convert(tmp_path / "src", tmp_path / "a-file", "imagefolder", progress=False)
+    with pytest.raises(ConfigError, match="^imagefolder has no public source to download; drop --download"):
+        convert(tmp_path / "src", tmp_path / "dst3", "imagefolder", progress=False, download=True)
     with pytest.raises(ConfigError, match="unknown --format 'png'"):
         convert(tmp_path / "src", tmp_path / "dst2", "png", progress=False)
 
