@@ -18,7 +18,7 @@ from raytrain_ddp.config import SCHEDULERS, STOP_GRACE_S, ConfigError, TrainConf
 from raytrain_ddp.doctor.bad_nodes import requeue_asked
 from raytrain_ddp.driver import run as driver
 from raytrain_ddp.driver.cluster_check import check_cluster
-from raytrain_ddp.driver.launch import LAUNCH_FIELDS
+from raytrain_ddp.driver.launch import LAUNCH_FIELDS, LAUNCH_HELP
 from raytrain_ddp.driver.startup import process_started
 from raytrain_ddp.driver.stops import NodeFailed, RankConfigError, Stalled, Stopped
 from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
@@ -139,7 +139,7 @@ def scale_command(
     scale(cfg, parse_sizes(workers), parse_strategies(strategy) if strategy else None, sharding)
 
 
-@train_options(only=LAUNCH_FIELDS)
+@train_options(only=LAUNCH_FIELDS, helps=LAUNCH_HELP)
 def launch_command(
     cfg: TrainConfig,
     script: str = typer.Argument(..., metavar="SCRIPT.py|MODULE", help="The training script (or module, with -m)."),

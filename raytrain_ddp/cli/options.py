@@ -18,18 +18,20 @@ from raytrain_ddp.config import FIELD_TYPES, TrainConfig, field_docs, flag_decls
 
 
 def train_options(
-    command: Callable[..., Any] | None = None, *, own_flags: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+    command: Callable[..., Any] | None = None, *, own_flags: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+    helps: dict[str, str] | None = None,
 ):
     """Give `command(cfg, ...)` one option per TrainConfig field, plus --config.
 
     Options left out arrive as None, so config.resolve lets the flags the user typed override the
     config file, and the file override the defaults. Fields in `own_flags` are the command's own
     (e.g. scale's --workers 1,2,4); with `only`, the command takes just those fields (and no --config).
+    `helps`: a field's help where this command means it otherwise than `run` (launch's --workers).
     """
     if command is None:
-        return functools.partial(train_options, own_flags=own_flags, only=only)
+        return functools.partial(train_options, own_flags=own_flags, only=only, helps=helps)
     own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]  # all but cfg
-    docs = field_docs()
+    docs = field_docs() | (helps or {})
     taken = [f.name for f in fields(TrainConfig) if f.name not in own_flags and (only is None or f.name in only)]
     generated = []
     for f in fields(TrainConfig):

@@ -61,6 +61,14 @@ LAUNCH_FIELDS = (
     "max_failures", "wait_for_resources", "resize_check_s", "verbose", "stall_timeout",
 )
 """The TrainConfig fields `raytrain launch` takes: where and how many, never what to train."""
+LAUNCH_HELP = {
+    "workers": "Ranks, one process of the script each (one per GPU with --gpu). MIN:MAX makes the launch elastic: "
+               "every rank's script restarts at the new size when a node is lost or room appears, and resumes "
+               "from its own checkpoint.",
+    "gpu": "One GPU per rank, cuda:LOCAL_RANK (--gpu), or CPUs only (--cpu); the script makes its own process "
+           "group, with the backend it picks.",
+}
+"""launch's help for the fields it means otherwise than `run`."""
 
 
 @dataclass(frozen=True)
