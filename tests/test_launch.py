@@ -65,6 +65,11 @@ def test_torchrun_script_runs_unchanged(ray_head, tmp_path):
     stages = summary["startup"]["stages"]
     assert list(stages) == list(LAUNCH_STAGES) and line == "raytrain: " + stages_line(stages, " to the script's start")
     assert stages["workers"] > 0 and stages["script start"] >= 0
+    # `raytrain verify` checks a run's metrics: a launch's is refused in one line, not failed for lacking them.
+    checked = raytrain("verify", str(runs / "t"))
+    assert checked.returncode == 2 and checked.stderr.strip() == (
+        f"error: {runs / 't'} is a `raytrain launch` run, whose results are its script's: verify checks the files "
+        "of a `raytrain run`"), checked.stderr
 
 
 @pytest.mark.e2e

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from raytrain_ddp.config import ConfigError
 from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
 
 
@@ -71,7 +72,16 @@ def checks(run_dir: Path) -> list[tuple[str, Callable[[], str | None]]]:
 
 
 def verify(run_dir: Path) -> bool:
-    """Print a line per check; True when all pass. Without readable files the rest are skipped."""
+    """Print a line per check; True when all pass. Without readable files the rest are skipped. A
+    `raytrain launch` run (its summary.json holds the script's command) is refused: its results
+    are the script's, in files of its own."""
+    try:
+        launched = "command" in json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError, TypeError):
+        launched = False
+    if launched:
+        raise ConfigError(f"{run_dir} is a `raytrain launch` run, whose results are its script's: verify checks "
+                          "the files of a `raytrain run`")
     readable = True
     failed = False
     for name, check in checks(run_dir):
