@@ -66,7 +66,8 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     time a new one comes; `code_paths`: where the workers import the user's --model/--dataset from,
     when the caller placed the code already (a sweep, once for all its trials)."""
     started = time.time()
-    if (trained := already_trained(cfg)) is not None:
+    # A sweep's trial (on_rows) takes its epochs' rows from the run's own start: it goes the long way.
+    if on_rows is None and (trained := already_trained(cfg)) is not None:
         return trained
     start_private_ray(cfg)  # without --address: it starts while the request is checked
     with signals or Signals() as signals:
