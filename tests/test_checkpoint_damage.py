@@ -176,8 +176,13 @@ def test_a_truncated_newest_state_resumes_from_the_older_and_says_so(ray_head, f
 
 @pytest.mark.e2e
 def test_a_snapshot_of_another_ray_release_is_set_aside_and_the_newest_resumes(ray_head, finished_run, tmp_path):
-    # as Ray 2.52.1 writes it (the run made under it, Ray upgraded since): Ray itself refuses it
-    again, old, new = rerun(ray_head, finished_run, tmp_path, lambda _, run_dir: unversioned(run_dir))
+    # as Ray 2.52.1 writes it (the run made under it, Ray upgraded since): Ray itself refuses it. The run
+    # ended before its summary.json, or its rerun would say it trained its epochs and start no Ray at all.
+    def unversioned_unsummed(_: Path, run_dir: Path) -> None:
+        unversioned(run_dir)
+        (run_dir / "summary.json").unlink()
+
+    again, old, new = rerun(ray_head, finished_run, tmp_path, unversioned_unsummed)
     assert again.returncode == 0, again.stderr[-3000:]
     [line] = [line for line in again.stderr.splitlines() if line.startswith("resume: ")]
     assert line.startswith(f"resume: Ray's run snapshot was written by another Ray release (it names none), this is "

@@ -136,7 +136,7 @@ def check_shapes(here: dict[str, list[int]], shapes: dict[str, list[int]], cfg: 
 
 
 def check_resume(
-    cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, shapes: dict[str, list[int]],
+    cfg: TrainConfig, checkpoint_dir: Path | None, saved: dict[str, Any] | None, shapes: dict[str, list[int]] | None,
 ) -> list[str]:
     """A (re)start's fit with its checkpoint (files.resume_choice): the lines to print, or ConfigError.
     The config is compared, and the model's state-dict shapes with the checkpoint's in_channels

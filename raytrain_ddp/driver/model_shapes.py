@@ -43,8 +43,9 @@ class Param:
 class ModelShapes:
     """What the preflight knows of --model: no tensors, no torch."""
 
-    state: dict[str, list[int]]
-    """Every state-dict key (parameters and buffers) and its shape, as a checkpoint records them."""
+    state: dict[str, list[int]] | None
+    """Every state-dict key (parameters and buffers) and its shape, as a checkpoint records them;
+    None for the user's own model on a fresh start, whose state_dict() is theirs to run on the ranks."""
     params: tuple[Param, ...]
 
     @property
@@ -52,7 +53,7 @@ class ModelShapes:
         """Parameters, in elements."""
         return sum(math.prod(p.shape) for p in self.params)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:  # of a built-in model: its state is always there
         return {"state": self.state, "params": [[list(p.shape), p.itemsize, p.trainable] for p in self.params]}
 
     @classmethod
@@ -61,17 +62,19 @@ class ModelShapes:
                    tuple(Param(tuple(shape), int(size), bool(trainable)) for shape, size, trainable in record["params"]))
 
 
-def of(model: Any) -> ModelShapes:
-    """The shapes of an nn.Module (one on the meta device will do)."""
+def of(model: Any, state: bool = True) -> ModelShapes:
+    """The shapes of an nn.Module (one on the meta device will do); `state`: its state dict's too."""
     return ModelShapes(
-        {key: list(value.shape) for key, value in model.state_dict().items()},
+        {key: list(value.shape) for key, value in model.state_dict().items()} if state else None,
         tuple(Param(tuple(p.shape), p.element_size(), p.requires_grad) for p in model.parameters()),
     )
 
 
-def model_shapes(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels: int) -> ModelShapes:
+def model_shapes(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels: int, resuming: bool = False) -> ModelShapes:
     """--model's shapes with `in_channels` inputs: a built-in model's from the cache when it has
-    them, else the model built on the meta device (worker/models.py), and kept for the next run."""
+    them, else the model built on the meta device (worker/models.py), and kept for the next run.
+    `resuming`: a checkpoint's shapes will be checked against the state dict's. Only then does the
+    user's own model's state_dict() run on the driver: it is the user's code, made for the ranks."""
     key = cache_key(cfg, in_channels) if given is None and not plugins.is_import_path(cfg.model) else None
     if key is not None and (record := read_cache().get(key)) is not None:
         try:
@@ -82,7 +85,7 @@ def model_shapes(cfg: TrainConfig, given: Callable[..., Any] | None, in_channels
 
     model = build_on_meta(cfg, given, in_channels)
     refuse_lazy(cfg, model)
-    shapes = of(model)
+    shapes = of(model, state=key is not None or resuming)
     if key is not None:
         write_cache(key, shapes)
     return shapes

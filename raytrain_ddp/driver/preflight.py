@@ -153,7 +153,8 @@ def check_parts(
     choice = resume_choice(run_dir, snapshot_ray_version()) if cfg.resume else None
     checkpoint_dir = choice.checkpoint if choice is not None else None
     saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
-    shapes = model_shapes(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3)
+    shapes = model_shapes(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3,
+                          resuming=saved is not None)
     if dry and cfg.download and "dataset" not in given:
         print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
     elif "dataset" not in given:
