@@ -8,6 +8,7 @@ import typer
 
 from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.data.convert import FORMATS, convert
+from raytrain_ddp.data.download import DOWNLOADS
 
 
 def convert_command(
@@ -21,7 +22,7 @@ def convert_command(
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Leave out unreadable images (and count them)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace shards already in DST."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
-    download: bool = typer.Option(False, "--download", help="Fetch a public dataset (mnist, cifar10, tinyimagenet) into SRC first, where its files are not there."),
+    download: bool = typer.Option(False, "--download", help=f"Fetch a public dataset ({', '.join(DOWNLOADS)}) into SRC first, where its files are not there."),
 ) -> None:
     """Write a dataset as Parquet shards + manifest.json, for --dataset parquet (and --loader ray)."""
     manifest = convert(
