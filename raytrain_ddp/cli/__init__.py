@@ -47,14 +47,19 @@ from raytrain_ddp.errors import (
     one_line,
 )
 
+PLAIN_HELP = {"rich_markup_mode": None}
+"""click's own --help: Rich's tables cut `run`'s option names short at 80 columns
+(`--checkpoint-every…`), and read help texts as markup, where `[mlflow]` vanished."""
+
 app = typer.Typer(
     help="Cluster-agnostic PyTorch DDP on Ray Train: a laptop, Slurm, KubeRay or any Ray cluster.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,  # main() turns errors into one line; --debug shows tracebacks
+    **PLAIN_HELP,
 )
-data_app = typer.Typer(help="Prepare datasets for training.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True)
+data_app = typer.Typer(help="Prepare datasets for training.", no_args_is_help=True, **PLAIN_HELP)
+bench_app = typer.Typer(help="Benchmarks that print figures (they assert nothing about speed).", no_args_is_help=True, **PLAIN_HELP)
 
 REST_IS_THE_SCRIPTS = {"allow_interspersed_args": False}
 """launch's options end at the script, and submit's at `launch`: the words after are not theirs."""
@@ -103,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         # Not standalone: typer would print its parse errors in a framed box; they come here instead
         code = app(args=argv, prog_name="raytrain", standalone_mode=False)
     except USAGE_ERROR as err:
-        if line := usage_line(err, ours(argv)):
-            print(f"error: {line}", file=sys.stderr)
+        if type(err).__name__ == "NoArgsIsHelpError":  # a bare `raytrain` or group: its help, as --help
+            print(err.ctx.get_help())
+        else:
+            print(f"error: {usage_line(err, ours(argv))}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     except typer.Abort:
         print("aborted", file=sys.stderr)

@@ -143,7 +143,7 @@ def scale_command(
 def launch_command(
     cfg: TrainConfig,
     script: str = typer.Argument(..., metavar="SCRIPT.py|MODULE", help="The training script (or module, with -m)."),
-    args: Optional[list[str]] = typer.Argument(None, metavar="[SCRIPT_ARGS]...", help="Passed to the script untouched."),
+    args: Optional[list[str]] = typer.Argument(None, metavar="SCRIPT_ARGS", help="Passed to the script untouched."),
     module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a module, as `python -m` does."),
     show_ranks: str = typer.Option(
         "0", "--show-ranks", help="Ranks whose output this terminal shows: 0, 0,3 or all. Every rank's goes to logs/rank-N.log."
@@ -180,7 +180,7 @@ def exit_at_once(code: int) -> NoReturn:
 
 def stack_command(
     name: Optional[str] = typer.Argument(
-        None, metavar="[NAME]", help="The run's name. Default: the run under --storage-path that started ranks last."
+        None, metavar="NAME", help="The run's name. Default: the run under --storage-path that started ranks last."
     ),
     storage_path: str = typer.Option(
         "./runs", "--storage-path", help="Where the run's directory is (as the run's --storage-path)."
@@ -192,7 +192,7 @@ def stack_command(
     show_stacks(storage_path, name)
 
 
-RUN_DIR = typer.Argument(..., help="A run directory: <storage-path>/<name>.")
+RUN_DIR = typer.Argument(..., metavar="RUN_DIR", help="A run directory: <storage-path>/<name>.")
 
 
 def verify_command(run_dir: Path = RUN_DIR) -> None:

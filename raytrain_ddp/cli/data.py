@@ -12,8 +12,8 @@ from raytrain_ddp.data.download import DOWNLOADS
 
 
 def convert_command(
-    src: Path = typer.Argument(..., help="The dataset's directory, as --data-dir names it for `raytrain run`."),
-    dst: Path = typer.Argument(..., help="Where the Parquet shards and manifest.json go."),
+    src: Path = typer.Argument(..., metavar="SRC", help="The dataset's directory, as --data-dir names it for `raytrain run`."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Where the Parquet shards and manifest.json go."),
     fmt: str = typer.Option(..., "--format", help=f"Source format: {', '.join(FORMATS)}."),
     val_fraction: float = typer.Option(0.1, parser=finite_float, help="Share held out for val when the source has no val split."),
     shard_mib: float = typer.Option(64.0, parser=finite_float, help="Target size of one Parquet file, MiB."),

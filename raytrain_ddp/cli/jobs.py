@@ -15,7 +15,7 @@ ADDRESS_HELP = (
     "if it is http(s)://. Token: $RAY_AUTH_TOKEN_PATH or $RAY_AUTH_TOKEN."
 )
 ADDRESS = typer.Option(None, "--address", help=ADDRESS_HELP)
-JOB_ID = typer.Argument(..., help="A job id from `raytrain submit`.")
+JOB_ID = typer.Argument(..., metavar="JOB_ID", help="A job id from `raytrain submit`.")
 
 
 @train_options(own_flags=("address",))
@@ -47,7 +47,7 @@ def submit_command(
 
 
 def status_command(
-    job_id: Optional[str] = typer.Argument(None, help="A job id from `raytrain submit`; omit to list the jobs."),
+    job_id: Optional[str] = typer.Argument(None, metavar="JOB_ID", help="A job id from `raytrain submit`; omit to list the jobs."),
     address: Optional[str] = ADDRESS,
 ) -> None:
     """Show a submitted job's status, or list the cluster's jobs."""

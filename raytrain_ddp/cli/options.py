@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
-from rich.markup import escape
 
 from raytrain_ddp.config import FIELD_TYPES, TrainConfig, field_docs, flag_decls, resolve
 
@@ -38,10 +37,10 @@ def train_options(
         if f.name not in taken:
             continue
         kinds = [k for k in FIELD_TYPES[f.name] if k is not type(None)]
-        # The option's own default is None ("not given", so a config file's value stands); --help shows the field's.
-        shown = False if f.default in (MISSING, None) else str(f.default)
-        # --help reads help as Rich markup, where [mlflow] (an extra's name) is a style tag and vanishes
-        option = typer.Option(None, *flag_decls(f.name), help=escape(docs[f.name]), show_default=shown)
+        # The option's own default is None ("not given", so a config file's value stands): the help
+        # names the field's, as click would (typer's show_default="..." prints it in parentheses).
+        option = typer.Option(None, *flag_decls(f.name), help=docs[f.name] + shown_default(f), show_default=False,
+                              metavar="N|MIN:MAX" if f.name == "workers" else None)
         kind = str if f.name == "workers" else kinds[0]  # N, or MIN:MAX (config.parse_workers)
         generated.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind]))
     config_file = inspect.Parameter(
@@ -58,6 +57,18 @@ def train_options(
         return command(cfg, **kwargs)
 
     return with_signature(wrapper, own + ([config_file] if only is None else []) + generated)
+
+
+def shown_default(f: Any) -> str:
+    """`  [default: X]` for a field's help, click's way: a bool flag's default named by its flag."""
+    if f.default in (MISSING, None):
+        return ""
+    decl = flag_decls(f.name)[0]
+    if "/" in decl:  # --gpu/--cpu, --resume/--no-resume
+        shown = decl.split("/")[0 if f.default else 1].lstrip("-")
+    else:
+        shown = str(f.default)
+    return f"  [default: {shown}]"
 
 
 DEBUG = inspect.Parameter(

@@ -46,8 +46,8 @@ def usage(words: tuple[str, ...], command: Any) -> str:
 
 
 def cell(text: str) -> str:
-    """Help text as a Markdown table cell: one line, Rich's markup escapes (options.py) undone."""
-    return " ".join(text.split()).replace("\\[", "[").replace("|", "\\|")
+    """Help text as a Markdown table cell: one line."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def first_paragraph(command: Any) -> str:
@@ -60,14 +60,14 @@ def option_row(param: Any, ctx: Any) -> str:
         names += " / " + ", ".join(f"`{o}`" for o in param.secondary_opts)
     if param.is_flag:
         kind = ""
+    elif param.metavar:
+        kind = cell(param.metavar)
     elif hasattr(param, "display_type"):  # typer 0.2x, on its own copy of click
         kind = param.display_type(ctx).strip("<>").upper()
     else:  # typer on click itself
         kind = param.type.name.upper()
-    help_text = param.help or ""
-    if isinstance(param.show_default, str):  # a run option's field default (options.py)
-        help_text += f" [default: {param.show_default}]"
-    elif param.show_default and param.default is not None and "[default:" not in help_text:
+    help_text = param.help or ""  # a run option's field default is in it already (options.py)
+    if param.show_default and param.default is not None and "[default:" not in help_text:
         if param.is_flag and param.secondary_opts:
             help_text += f" [default: {param.opts[0] if param.default else param.secondary_opts[0]}]"
         elif not param.is_flag:

@@ -12,11 +12,8 @@ USAGE_ERROR: type[Exception] = typer.BadParameter.__base__
 """click's UsageError: typer before 0.29 raises click's own, 0.29 on its vendored copy's."""
 
 
-def usage_line(err: Any, argv: list[str]) -> str | None:
-    """The one line for a UsageError from parsing `argv`; None for a bare `raytrain` or group, whose
-    error is the help just shown."""
-    if type(err).__name__ == "NoArgsIsHelpError":
-        return None
+def usage_line(err: Any, argv: list[str]) -> str:
+    """The one line for a UsageError from parsing `argv` (not a bare group's, whose error is its help)."""
     param, ctx = getattr(err, "param", None), getattr(err, "ctx", None)
     where = f"see `{ctx.command_path if ctx is not None else command_path(argv)} --help`"
     message = " ".join(str(err).split())
