@@ -91,6 +91,12 @@ def test_run_on_an_existing_cluster_with_a_config_file(ray_head, tmp_path):
     actors = actors_started(logs, logs_before)
     assert actors.count("RayTrainWorker") == 2 and {"TrainController", "SynchronizationActor"} <= set(actors), actors
     assert not {"PlacementGroupCleaner", "DatasetManager"} & set(actors), actors
+    # This head cannot scale, so the controller asked Ray Data's AutoscalingCoordinator for nothing
+    # (ray_compat/fixed_size.py): Ray's policy logs each request, and its first starts that actor.
+    requests = [line for log in (logs / "train").glob("ray-train-sys-controller-*.log")
+                for line in log.read_text(errors="replace").splitlines()
+                if '"run_name": "from-flag"' in line and "Requesting resources" in line]
+    assert not requests, requests
 
     run_dir = tmp_path / "from-flag"
     check_profiled_run(proc, run_dir)  # --profile's lines and traces (test_profiling.py)

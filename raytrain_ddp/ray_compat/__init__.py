@@ -11,6 +11,8 @@ the name, never every command.
 - `controller`: the fast start (Ray Train's controller without its runtime_env, torch or idle actors),
   and the clean-up of a dead controller's placement groups.
 - `elastic`: Ray's elastic scaling policy, counting only the nodes that stay.
+- `fixed_size`: Ray's fixed-size scaling policy, without the resource requests to Ray Data's
+  AutoscalingCoordinator on a cluster that cannot scale.
 - `callbacks`: a hook in Ray Train's controller before it resizes a worker group.
 - `state`: what the GCS knows that Ray has no public call for (draining nodes, token auth, the
   cluster's Ray version, a local GPU's memory), and token auth turned on in a process that

@@ -14,7 +14,8 @@ as Ray's own classes, less three costs that a start-up trace found in every run 
   groups of a controller that died (Ray keeps them until the driver exits), is done here instead,
   by the driver, when its fit ends (`remove_dead_controllers_groups`).
 
-(The fourth, torch on the controller, is process_group.py's.) The fast start overrides the private
+(The fourth, torch on the controller, is process_group.py's; the fifth, the AutoscalingCoordinator
+asked for the run's resources on a cluster that cannot scale, is fixed_size.py's.) The fast start overrides the private
 method through which the trainer starts its controller; where the installed Ray lacks any name it
 needs (ray_compat.FEATURES["fast_start"]), `ray_compat.fast` returns Ray's class, which starts the
 usual way.
@@ -75,6 +76,11 @@ class FastStart:
             from raytrain_ddp.ray_compat.elastic import staying_nodes_only
 
             kwargs["scaling_policy"] = staying_nodes_only(kwargs["scaling_policy"])
+        if "scaling_policy" in kwargs and has(
+                "ray.train.v2._internal.execution.scaling_policy.fixed:FixedScalingPolicy._maybe_send_resource_request"):
+            from raytrain_ddp.ray_compat.fixed_size import without_coordinator  # on a cluster that cannot scale
+
+            kwargs["scaling_policy"] = without_coordinator(kwargs["scaling_policy"])
         remove_dead_controllers_groups()  # an earlier fit's, in this driver, if its end could not
         try:
             if get_env_vars_to_propagate():  # the user's RAY_TRAIN_* settings travel in the runtime_env
