@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from raytrain_ddp.data.formats import Samples
 
 FORMATS = ("mnist", "cifar10", "tinyimagenet", "imagefolder")
-"""The source formats; registry.read_layout reads them (imported late: torch is slow to import)."""
+"""The source formats; formats.read_layout reads them (imported late, as the command needs them)."""
 MANIFEST = "manifest.json"
 MIB = 1 << 20
 
@@ -48,7 +48,8 @@ def convert(
     """Write dst/{train,val}/part-NNNNN.parquet and dst/manifest.json; return the manifest.
     `download`: fetch a public dataset into src first where its files are not there."""
     from raytrain_ddp.data import formats
-    from raytrain_ddp.data.registry import hold_out, read_layout
+    from raytrain_ddp.data.formats import read_layout
+    from raytrain_ddp.data.splits import hold_out
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")

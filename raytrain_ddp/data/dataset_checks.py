@@ -1,14 +1,21 @@
 """The driver's checks of --dataset, in seconds, before any worker starts: its name, --data-dir, its
-files, the input channels. torch-free where no file is read (the synthetic set, the user's own), so
-such a run's driver never imports torch; a built-in dataset's files are read by registry.py.
+files and labels, the input channels. torch-free: a built-in dataset's files are read by the same
+readers the ranks use (formats.py), which import torch only to make a sample; only the user's own
+dataset brings torch in, with its module.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
+
+import numpy as np
 
 from raytrain_ddp import plugins
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.data.formats import Layout, read_layout, read_manifest
+from raytrain_ddp.data.splits import split
 
 BUILT_IN_CHANNELS = {"synthetic": 3, "mnist": 1, "cifar10": 3, "tinyimagenet": 3, "imagefolder": 3}
 """in_channels of the built-in datasets, as their readers (data.formats) decode them; parquet's is in
@@ -24,8 +31,6 @@ def dataset_channels(cfg: TrainConfig) -> int | None:
     if cfg.dataset in BUILT_IN_CHANNELS:
         return BUILT_IN_CHANNELS[cfg.dataset]
     if cfg.dataset == "parquet" and cfg.data_dir:
-        from raytrain_ddp.data.formats import read_manifest  # torch: a parquet run reads files anyway
-
         return int(read_manifest(Path(cfg.data_dir).expanduser())["channels"])
     return None
 
@@ -44,8 +49,46 @@ def validate(cfg: TrainConfig) -> None:
         how = f"`raytrain data convert SRC DST --format {cfg.dataset}`" if cfg.dataset in FROM_FILES else "`raytrain data convert`"
         raise ConfigError(f"--loader ray reads Parquet shards: write them with {how}, then pass --dataset parquet --data-dir DST")
     if cfg.dataset in FROM_FILES:
-        from raytrain_ddp.data.registry import check_files  # torch: the readers
-
         check_files(cfg)
     if own:
         plugins.load(cfg.dataset, "--dataset")  # fails here, in one line, if it does not import
+
+
+def data_root(cfg: TrainConfig) -> Path:
+    if not cfg.data_dir:
+        raise ConfigError(f"--dataset {cfg.dataset} reads files: pass --data-dir DIR")
+    return Path(cfg.data_dir).expanduser()
+
+
+def check_files(cfg: TrainConfig) -> None:
+    """A built-in dataset's files: present (or downloaded with --download), labels within
+    --num-classes, and the caps said when they leave samples out."""
+    layout = read_layout(cfg.dataset, data_root(cfg), cfg.download)
+    check_labels(cfg, layout)
+    train, val = split(cfg, layout)
+    full_train, full_val = split(dataclasses.replace(cfg, train_samples=0, val_samples=0), layout)
+    if len(train) < len(full_train) or len(val) < len(full_val):
+        print(
+            f"note: using {len(train)} of {len(full_train)} train and {len(val)} of {len(full_val)} val samples "
+            "(--train-samples, --val-samples); leave them out to use all",
+            file=sys.stderr,
+        )
+
+
+def check_labels(cfg: TrainConfig, layout: Layout) -> None:
+    if len(layout.classes) > cfg.num_classes:
+        raise ConfigError(
+            f"{cfg.data_dir} has {len(layout.classes)} classes but --num-classes is {cfg.num_classes}; "
+            f"pass --num-classes {len(layout.classes)}"
+        )
+    for samples in (layout.train, layout.val):
+        if samples is None or len(samples) == 0:
+            continue
+        bad = np.flatnonzero((samples.labels < 0) | (samples.labels >= cfg.num_classes))
+        if len(bad):
+            first = int(bad[0])
+            raise ConfigError(
+                f"label {samples.labels[first]} of {samples.source(first)} is outside --num-classes "
+                f"{cfg.num_classes} ({len(bad)} such samples); pass --num-classes {int(samples.labels.max()) + 1} "
+                "or fix the labels"
+            )

@@ -4,6 +4,9 @@ A sample is (uint8 CHW image tensor, label). Readers list files and load labels 
 ahead, so the driver runs the same readers to check the data in seconds before any worker starts.
 A problem with the layout raises ConfigError naming the file or folder; an image that does not
 decode raises BadSample naming its file, at the moment it is read.
+
+torch is imported only where a sample is made: the driver's checks read layouts without it. The
+sample containers are map-style datasets (`__len__`, `__getitem__`), as a DataLoader takes them.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 from raytrain_ddp.config import ConfigError
+from raytrain_ddp.data.download import DOWNLOADS, download
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif")
 """What torchvision.io.decode_image reads; other files in class folders are ignored."""
@@ -58,7 +63,7 @@ class Layout(NamedTuple):
     """Which format it came from: mnist, cifar10, tinyimagenet or imagefolder (picks the transforms)."""
     train: Samples
     val: Samples | None
-    """None when the data has no validation split: registry.py holds out --val-fraction of train."""
+    """None when the data has no validation split: splits.py holds out --val-fraction of train."""
     classes: list[str]
     channels: int
     image_size: int | None
@@ -72,6 +77,7 @@ def decode(data: bytes, channels: int, source: str | Callable[[], str]) -> torch
 
     `source` may be a function, for names that cost a read to find: it is only called on failure.
     """
+    import torch
     from torchvision.io import ImageReadMode, decode_image
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
@@ -103,7 +109,7 @@ def _reason(err: BaseException) -> str:
 
 # --- sample containers ---
 
-class ArraySamples(Dataset):
+class ArraySamples:
     """Pixels already in memory (MNIST, CIFAR-10): N x H x W x C uint8."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, origin: str):
@@ -113,6 +119,8 @@ class ArraySamples(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        import torch  # a name lookup once imported: the driver reads layouts without it
+
         return torch.from_numpy(self.images[index]).permute(2, 0, 1), int(self.labels[index])
 
     def encoded(self, index: int) -> bytes:
@@ -125,7 +133,7 @@ class ArraySamples(Dataset):
         return ArraySamples(self.images[indices], self.labels[indices], self.origin)
 
 
-class FileSamples(Dataset):
+class FileSamples:
     """One image file per sample (TinyImageNet, ImageFolder)."""
 
     def __init__(self, paths: list[str], labels: np.ndarray, channels: int = 3):
@@ -150,7 +158,7 @@ class FileSamples(Dataset):
         return FileSamples([self.paths[i] for i in indices], self.labels[indices], self.channels)
 
 
-class ParquetSamples(Dataset):
+class ParquetSamples:
     """Rows of Parquet shards with `image` (file bytes) and `label` columns, `path` optional.
 
     Labels load at once; the image column loads on `load_images()`, whole, into this process. Call
@@ -452,3 +460,27 @@ def read_parquet(root: Path) -> Layout:
     train, val = (ParquetSamples(parquet_files(root, manifest, s), channels) for s in ("train", "val"))
     size = manifest.get("image_size")
     return Layout(manifest.get("source", "imagefolder"), train, val, list(manifest["classes"]), channels, size)
+
+
+READERS: dict[str, Callable[[Path], Layout]] = {
+    "mnist": read_mnist,
+    "cifar10": read_cifar10,
+    "tinyimagenet": read_tinyimagenet,
+    "imagefolder": read_imagefolder,
+    "parquet": read_parquet,
+}
+"""The datasets read from --data-dir."""
+
+
+def read_layout(dataset: str, root: Path, fetch: bool) -> Layout:
+    """A built-in dataset's files under `root`; with `fetch` (--download), downloaded first where
+    they are not there yet."""
+    if fetch and dataset not in DOWNLOADS:
+        raise ConfigError(f"{dataset} has no public source to download; drop --download")
+    try:
+        return READERS[dataset](root)
+    except ConfigError:
+        if not fetch:
+            raise
+        download(dataset, root)
+        return READERS[dataset](root)

@@ -18,7 +18,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.data import formats
 from raytrain_ddp.data.batches import UNREADABLE, Batches, Loaders, SkipCount
 from raytrain_ddp.data.formats import BadSample
-from raytrain_ddp.data.registry import data_root
+from raytrain_ddp.data.dataset_checks import data_root
 from raytrain_ddp.data.transforms import RECIPES, augmentation, normalization
 
 if TYPE_CHECKING:

@@ -1,34 +1,28 @@
 """The dataset registry: --dataset name (or the user's import path) to a builder of train and val
-Datasets, with splits and caps; and the driver's check of a built-in dataset's files (dataset_checks.py
-calls it), in seconds, before any worker starts.
+Datasets, on the ranks.
 
-The file formats themselves are read by formats.py; transforms.py wraps the samples for the model.
+The file formats themselves are read by formats.py, split and capped by splits.py (the driver's
+checks in dataset_checks.py read them the same way); transforms.py wraps the samples for the model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import sys
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from raytrain_ddp import plugins
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.data import formats
-from raytrain_ddp.data.download import DOWNLOADS, download
-from raytrain_ddp.data.formats import Layout, Samples
+from raytrain_ddp.data.dataset_checks import data_root
+from raytrain_ddp.data.formats import READERS, Layout, Samples
+from raytrain_ddp.data.splits import split
 from raytrain_ddp.data.transforms import RECIPES, Prepared, augmentation, normalization
 
 SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are not given."""
-SPLIT_SEED = 0
-"""Seeds the held-out val split and the sample caps. Fixed, not --seed: runs compare on one val set."""
 
 
 class Data(NamedTuple):
@@ -83,8 +77,8 @@ def from_files(cfg: TrainConfig) -> Data:
 def parquet(cfg: TrainConfig) -> Data:
     data = from_files(cfg)
     # Load the image bytes now, in this process, so DataLoader workers share them after fork.
-    for split in (data.train, data.val):
-        split.samples.load_images()
+    for part in (data.train, data.val):
+        part.samples.load_images()
     return data
 
 
@@ -97,14 +91,6 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
     "parquet": parquet,
 }
 
-READERS: dict[str, Callable[[Path], Layout]] = {
-    "mnist": formats.read_mnist,
-    "cifar10": formats.read_cifar10,
-    "tinyimagenet": formats.read_tinyimagenet,
-    "imagefolder": formats.read_imagefolder,
-    "parquet": formats.read_parquet,
-}
-"""The datasets read from --data-dir."""
 
 
 def dataset_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[[TrainConfig], Data]:
@@ -139,12 +125,6 @@ def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data
     return Data(splits[0], splits[1], in_channels=int(first[0].shape[0]))
 
 
-def data_root(cfg: TrainConfig) -> Path:
-    if not cfg.data_dir:
-        raise ConfigError(f"--dataset {cfg.dataset} reads files: pass --data-dir DIR")
-    return Path(cfg.data_dir).expanduser()
-
-
 def prepare(cfg: TrainConfig, layout: Layout) -> Data:
     """Split, cap and wrap a dataset read from disk with its transforms."""
     from torchvision.transforms import v2
@@ -158,81 +138,3 @@ def prepare(cfg: TrainConfig, layout: Layout) -> Data:
         return Prepared(samples, v2.Compose([augment, normalization(recipe)]), cfg.skip_bad, shape)
 
     return Data(wrap(train, True), wrap(val, False), layout.channels)
-
-
-def split(cfg: TrainConfig, layout: Layout) -> tuple[Samples, Samples]:
-    """(train, val): the data's own val split or --val-fraction held out, each capped by --*-samples."""
-    train, val = layout.train, layout.val
-    if val is None:
-        train, val = hold_out(train, cfg.val_fraction)
-    return cap(train, cfg.train_samples), cap(val, cfg.val_samples)
-
-
-def hold_out(samples: Samples, fraction: float) -> tuple[Samples, Samples]:
-    """(train, val) with a fixed random `fraction` of the samples in val."""
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(samples))
-    n_val = round(len(samples) * fraction)
-    if not 0 < n_val < len(samples):
-        raise ConfigError(
-            f"--val-fraction {fraction} of {len(samples)} samples leaves an empty split; "
-            "add samples, change --val-fraction, or add a val/ folder"
-        )
-    return samples.select(np.sort(order[n_val:])), samples.select(np.sort(order[:n_val]))
-
-
-def cap(samples: Samples, limit: int | None) -> Samples:
-    """A fixed random subset of `limit` samples (None or 0 = all); random, so every class stays in it."""
-    if not limit or limit >= len(samples):
-        return samples
-    keep = np.random.default_rng(SPLIT_SEED).permutation(len(samples))[:limit]
-    return samples.select(np.sort(keep))
-
-
-# --- the driver's check of a built-in dataset's files (dataset_checks.validate) ---
-
-def check_files(cfg: TrainConfig) -> None:
-    """A built-in dataset's files: present (or downloaded with --download), labels within
-    --num-classes, and the caps said when they leave samples out."""
-    layout = read_layout(cfg.dataset, data_root(cfg), cfg.download)
-    check_labels(cfg, layout)
-    train, val = split(cfg, layout)
-    full_train, full_val = split(dataclasses.replace(cfg, train_samples=0, val_samples=0), layout)
-    if len(train) < len(full_train) or len(val) < len(full_val):
-        print(
-            f"note: using {len(train)} of {len(full_train)} train and {len(val)} of {len(full_val)} val samples "
-            "(--train-samples, --val-samples); leave them out to use all",
-            file=sys.stderr,
-        )
-
-
-def read_layout(dataset: str, root: Path, fetch: bool) -> Layout:
-    """A built-in dataset's files under `root`; with `fetch` (--download), downloaded first where
-    they are not there yet."""
-    if fetch and dataset not in DOWNLOADS:
-        raise ConfigError(f"{dataset} has no public source to download; drop --download")
-    try:
-        return READERS[dataset](root)
-    except ConfigError:
-        if not fetch:
-            raise
-        download(dataset, root)
-        return READERS[dataset](root)
-
-
-def check_labels(cfg: TrainConfig, layout: Layout) -> None:
-    if len(layout.classes) > cfg.num_classes:
-        raise ConfigError(
-            f"{cfg.data_dir} has {len(layout.classes)} classes but --num-classes is {cfg.num_classes}; "
-            f"pass --num-classes {len(layout.classes)}"
-        )
-    for samples in (layout.train, layout.val):
-        if samples is None or len(samples) == 0:
-            continue
-        bad = np.flatnonzero((samples.labels < 0) | (samples.labels >= cfg.num_classes))
-        if len(bad):
-            first = int(bad[0])
-            raise ConfigError(
-                f"label {samples.labels[first]} of {samples.source(first)} is outside --num-classes "
-                f"{cfg.num_classes} ({len(bad)} such samples); pass --num-classes {int(samples.labels.max()) + 1} "
-                "or fix the labels"
-            )

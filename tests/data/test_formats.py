@@ -17,7 +17,7 @@ from sample_files import (
 
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.data import formats
-from raytrain_ddp.data.registry import split
+from raytrain_ddp.data.splits import split
 
 # --- readers ---
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from sample_files import cfg_for, write_imagefolder, write_mnist
+from sample_files import cfg_for, write_cifar10, write_imagefolder, write_mnist
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data import formats
 from raytrain_ddp.data.convert import convert
 from raytrain_ddp.data.download import DOWNLOADS
 from raytrain_ddp.data.dataset_checks import BUILT_IN, FROM_FILES, validate
-from raytrain_ddp.data.registry import DATASETS, READERS, SYNTHETIC_SIZES, split
+from raytrain_ddp.data.formats import READERS
+from raytrain_ddp.data.registry import DATASETS, SYNTHETIC_SIZES
+from raytrain_ddp.data.splits import split
 
 
 def test_a_real_dataset_is_used_whole_by_default(tmp_path):
@@ -79,6 +84,30 @@ def test_validate_rejects_parquet_labels_outside_num_classes(tmp_path):
     convert(tmp_path / "src", tmp_path / "pq", "imagefolder", progress=False)
     check_fails(cfg_for("parquet", tmp_path / "pq", num_classes=3), "--num-classes 4")
     check_fails(cfg_for("parquet", tmp_path / "src"), "manifest.json", "raytrain data convert")
+
+
+CHECK_IN_A_NEW_DRIVER = """
+import sys
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.data.dataset_checks import validate
+validate(TrainConfig(dataset=sys.argv[1], data_dir=sys.argv[2], num_classes=10, train_samples=1))
+print("torch" in sys.modules)
+"""
+
+
+def test_the_drivers_check_of_each_format_imports_no_torch(tmp_path):
+    """The driver reads a built-in dataset's files with the ranks' own readers, which import torch
+    only to make a sample: its check, before any worker starts, costs no torch import (1.7 s or
+    more). The note on --train-samples shows that the files were read."""
+    write_imagefolder(tmp_path / "imagefolder", per_class=3, val_per_class=2)
+    write_mnist(tmp_path / "mnist", n_train=20, n_val=5)
+    write_cifar10(tmp_path / "cifar10", n_train=20, n_val=5)
+    convert(tmp_path / "imagefolder", tmp_path / "parquet", "imagefolder", progress=False)
+    for dataset in ("imagefolder", "mnist", "cifar10", "parquet"):
+        proc = subprocess.run([sys.executable, "-c", CHECK_IN_A_NEW_DRIVER, dataset, str(tmp_path / dataset)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0 and "note: using 1 of" in proc.stderr, (dataset, proc.stderr[-2000:])
+        assert proc.stdout.split() == ["False"], dataset
 
 
 def test_validate_ray_loader_needs_parquet(tmp_path):
