@@ -96,6 +96,7 @@ def test_nothing_of_the_private_ray_outlives_a_sigkilled_driver(tmp_path):
         stack = subprocess.run([sys.executable, "-m", "raytrain_ddp", "stack", "k1", "--storage-path", str(tmp_path)],
                                env=without_ray_env(), capture_output=True, text=True, timeout=120)
         assert stack.returncode == 0 and "== rank 1 on " in stack.stdout, stack.stderr[-2000:]
+        [directory] = [keeper_directory(pid) for pid, (comm, _) in recorded.items() if keeper_directory(pid)]
         killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -103,6 +104,29 @@ def test_nothing_of_the_private_ray_outlives_a_sigkilled_driver(tmp_path):
     finally:
         proc.kill()
     print(f"{len(recorded)} processes of its Ray gone {took:.1f} s after the SIGKILL")
+    assert (directory / keeper.ENDED).exists()  # its logs may go once newer runs have ended (keeper.prune)
+
+
+def keeper_directory(pid: int) -> Path | None:
+    """The private Ray's directory, from its keeper's command line; None for another process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return None
+    return Path(argv[5]) if len(argv) > 5 and argv[1].endswith("keeper.py") else None
+
+
+def test_only_the_newest_ended_private_rays_keep_their_directories(tmp_path):
+    """keeper.prune: the newest KEEP_ENDED ended directories stay, a running head's always does."""
+    for i in range(keeper.KEEP_ENDED + 3):
+        (tmp_path / f"ended{i}").mkdir()
+        (tmp_path / f"ended{i}" / keeper.ENDED).touch()
+        os.utime(tmp_path / f"ended{i}" / keeper.ENDED, (1000 + i, 1000 + i))
+    (tmp_path / "running").mkdir()
+    (tmp_path / "a-file").touch()
+    keeper.prune(tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["running", "a-file", *(f"ended{i}" for i in range(3, keeper.KEEP_ENDED + 3))])
 
 
 @pytest.mark.e2e

@@ -17,6 +17,7 @@ import ctypes
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +40,13 @@ LOST = "lost"
 DYING = "dying"
 """The file, in the keeper's directory, made as soon as a part of the head is seen gone, before
 `ray start` has said how (LOST follows within REPORT_WAIT_S)."""
+ENDED = "ended"
+"""The file, in the keeper's directory, made once every process of its head is gone: the directory
+is then only logs, and a later keeper may remove it (prune)."""
+KEEP_ENDED = 10
+"""How many ended private Rays' directories a keeper leaves at its end, the newest (its own among
+them): the logs of the latest runs stay for a look, and a user's temp dir does not fill with one
+directory per run."""
 DIED_LINE = re.compile(r"(?:^|\s)(\w+) \[exit code=(-?\d+)")
 """`ray start --block`'s line for a child that died (ray/scripts/scripts.py), once its colours are
 taken out: `... ERR scripts.py:87 -- raylet [exit code=-9]`."""
@@ -186,7 +194,25 @@ def keep(watch_fd: int, directory: Path, head_cmd: list[str]) -> int:
         (directory / "token").unlink()
     except FileNotFoundError:
         pass
+    try:
+        (directory / ENDED).touch()
+        prune(directory.parent)
+    except OSError:  # the logs stay; nothing of the run depends on their removal
+        pass
     return 1 if lost else 0
+
+
+def prune(base: Path, keep: int = KEEP_ENDED) -> None:
+    """Remove all but the newest `keep` ended directories under `base`; a head that runs has no
+    ENDED file, and one whose keeper was killed keeps its directory."""
+    ended = []
+    for directory in base.iterdir():
+        try:
+            ended.append(((directory / ENDED).stat().st_mtime, directory))
+        except OSError:  # not ended, or not a directory
+            continue
+    for _, directory in sorted(ended, reverse=True)[keep:]:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def describe(head: subprocess.Popen, statuses: dict[int, int], core: dict[int, str], gone: list[int],
