@@ -24,7 +24,24 @@ def user_dir(tmp_path: Path) -> Path:
     shutil.copy(USER_CODE, tmp_path / "user_code.py")
     (tmp_path / "broken.py").write_text("import torch\nmodel = undefined_name\n")
     (tmp_path / "needs_dep.py").write_text("import a_package_nobody_installed\n")
+    (tmp_path / "wrong.py").write_text(WRONG)
     return tmp_path
+
+
+WRONG = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def wide(num_classes, in_channels):
+    return nn.Linear(in_channels, num_classes + 1)
+
+
+def labels_12(split, data_dir, image_size):
+    return TensorDataset(torch.randn(8, 20), torch.full((8,), 12))
+"""
+"""Parts that import and build, and would fail a rank at its first step."""
 
 
 @pytest.mark.parametrize(
@@ -43,6 +60,25 @@ def test_bad_import_path_is_one_line_before_any_worker(user_dir, args, fragments
     proc = raytrain("run", *args, "--address", "127.0.0.1:1", "--storage-path", str(user_dir / "runs"),
                     cwd=user_dir, timeout=60)
     assert_refused(proc, *fragments)
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--model", "wrong:wide"], ["--model wrong:wide gave (2, 5) for a batch of 2, not (2, 4) logits"]),
+        (["--model", "convnet"], ["--dry-run: --model convnet on a batch of inputs (2, 20) (torch.float32) failed: Expected"]),
+        (["--dataset", "wrong:labels_12"], ["--dataset wrong:labels_12: train labels [12, 12] are not all below --num-classes 4"]),
+    ],
+)
+def test_dry_run_tries_a_first_step_and_names_the_part_that_fails(user_dir, args, fragments):
+    """Each of these imports and builds, so only a rank's first step (after the cluster and the
+    workers started) would have found it: --dry-run runs that step on the driver's CPU first."""
+    good = raytrain("run", *FLAT, "--dry-run", "--storage-path", str(user_dir / "runs"), cwd=user_dir, timeout=120)
+    assert good.returncode == 0 and "dry run: a batch of 2 train samples, inputs (20,) float32" in good.stderr, good.stderr
+    proc = raytrain("run", *FLAT, *args, "--dry-run", "--storage-path", str(user_dir / "runs"), cwd=user_dir, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]  # after the model state's line
+    assert proc.returncode == 2 and last.startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert all(fragment in last for fragment in fragments), last
 
 
 @pytest.mark.e2e

@@ -27,7 +27,7 @@ from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_FAILED, EXIT
 @train_options
 def run_command(
     cfg: TrainConfig,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and Ray configs; start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check without a cluster, with a trial first step on the CPU (a batch of 2), print the resolved config and Ray configs; start nothing."),
 ) -> None:
     """Train a model with DDP on Ray Train: a local Ray, $RAY_ADDRESS, or --address."""
     if dry_run:

@@ -33,6 +33,7 @@ from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.startup import RUN_STAGES
+from raytrain_ddp.driver.trial_step import trial_step
 from raytrain_ddp.driver.stops import Interrupted, RankConfigError, RayLost, Stalled, Stopped, UnhealthyNode
 
 POLL_S = 0.5
@@ -41,10 +42,16 @@ RESUME_HINT = "run the same command again (same --storage-path and --name {name}
 
 
 def dry_run(cfg: TrainConfig) -> None:
-    """Every check that needs no cluster, then the resolved config and Ray Train's configs; start nothing."""
+    """Every check that needs no cluster and a trial of the first step on the CPU (trial_step.py), then
+    the resolved config and Ray Train's configs; start nothing."""
     checked = preflight.check_request(cfg, dry=True)
     cfg, run_dir = checked.cfg, checked.run_dir
     preflight.model_state(cfg, checked.model_shapes)  # with --gpu checked against a local GPU only
+    if cfg.download or cfg.dataset == "parquet":  # files not there yet; a Parquet reader loads every row
+        print(f"--dry-run: no trial step on --dataset {cfg.dataset}"
+              f"{' before its --download' if cfg.download else ' (its reader loads every shard whole)'}", file=sys.stderr)
+    else:
+        print(trial_step(cfg, checked.given), file=sys.stderr)
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
