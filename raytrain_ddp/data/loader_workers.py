@@ -27,7 +27,8 @@ def worker_start(datasets: list[Any]) -> BaseContext:
     if None in sizes or sum(sizes) > COPY_LIMIT:
         return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # no effect once this rank's forkserver runs: the same list
+    more = [module for dataset in datasets for module in getattr(dataset, "worker_imports", ())]
+    context.set_forkserver_preload(PRELOAD + sorted(set(more)))  # no effect once this rank's forkserver runs
     # Started now, not at the first batch: its import of torch (3 s, more on a loaded machine) then
     # runs while the rank builds its model and resumes. It takes this process's sys.path as it is now,
     # with the directory of a --dataset module already on it.

@@ -19,7 +19,7 @@ from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.dataset_checks import data_root
 from raytrain_ddp.data.formats import READERS, Layout, Samples
 from raytrain_ddp.data.splits import split
-from raytrain_ddp.data.transforms import RECIPES, Prepared, augmentation, normalization
+from raytrain_ddp.data.transforms import RECIPES, Prepared, transform_for
 
 SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are not given."""
@@ -127,14 +127,12 @@ def user_dataset(name: str, build: Callable[..., Any], cfg: TrainConfig) -> Data
 
 def prepare(cfg: TrainConfig, layout: Layout) -> Data:
     """Split, cap and wrap a dataset read from disk with its transforms."""
-    from torchvision.transforms import v2
-
     train, val = split(cfg, layout)
     recipe = RECIPES.get(layout.source, RECIPES["imagefolder"])
     shape = (layout.channels, cfg.image_size, cfg.image_size)
 
     def wrap(samples: Samples, is_train: bool) -> Prepared:
-        augment = augmentation(is_train, cfg.image_size, layout.image_size, recipe.flip)
-        return Prepared(samples, v2.Compose([augment, normalization(recipe)]), cfg.skip_bad, shape)
+        make = functools.partial(transform_for, is_train, cfg.image_size, layout.image_size, recipe)
+        return Prepared(samples, make, cfg.skip_bad, shape)
 
     return Data(wrap(train, True), wrap(val, False), layout.channels)

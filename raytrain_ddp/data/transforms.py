@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 from torch.utils.data import Dataset
@@ -58,8 +58,19 @@ def normalization(recipe: Recipe) -> v2.Transform:
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(recipe.mean, recipe.std)])
 
 
+def transform_for(train: bool, image_size: int, native_size: int | None, recipe: Recipe) -> v2.Transform:
+    """A split's whole transform: its augmentation, then the normalisation."""
+    from torchvision.transforms import v2
+
+    return v2.Compose([augmentation(train, image_size, native_size, recipe.flip), normalization(recipe)])
+
+
 class Prepared(Dataset):
     """Samples -> (augmented, normalised image, label).
+
+    The transform is made where the first sample is, from `make`: with loader workers, in them, so
+    the rank never imports torchvision (2 s) for images it never transforms; the forkserver that
+    starts them has imported it beside the rank's start (`worker_imports`, loader_workers.py).
 
     An unreadable sample raises BadSample naming its file, or with --skip-bad comes out as a blank
     image labelled UNREADABLE, so batches keep their shape and Batches can drop and count it.
@@ -67,9 +78,15 @@ class Prepared(Dataset):
 
     random_streams = ("torch",)
     """Where the transforms draw from: torchvision's v2 transforms, torch's global CPU generator only."""
+    worker_imports = ("torchvision.transforms.v2",)
+    """What a process that makes samples imports: its loader workers' forkserver does it ahead."""
 
-    def __init__(self, samples: Samples, transform: v2.Transform, skip_bad: bool, shape: tuple[int, ...]):
-        self.samples, self.transform, self.skip_bad, self.shape = samples, transform, skip_bad, shape
+    def __init__(self, samples: Samples, make: Callable[[], v2.Transform], skip_bad: bool, shape: tuple[int, ...]):
+        self.samples, self.make, self.skip_bad, self.shape = samples, make, skip_bad, shape
+        self.transform: v2.Transform | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "transform": None}  # a worker makes its own from `make`
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -81,4 +98,6 @@ class Prepared(Dataset):
             if not self.skip_bad:
                 raise
             return torch.zeros(self.shape), UNREADABLE
+        if self.transform is None:
+            self.transform = self.make()
         return self.transform(image), label

@@ -169,6 +169,32 @@ def test_our_datasets_draw_from_no_stream_but_those_they_name(tmp_path, dataset)
 
 # --- bad samples, at the moment they are read ---
 
+RANK_WITH_LOADER_WORKERS = """
+import sys
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.data.loaders import make_loaders
+cfg = TrainConfig(dataset="imagefolder", data_dir=sys.argv[1], num_classes=2, data_workers=2, batch_size=4, image_size=16)
+loaders = make_loaders(cfg, 0, 1, cuda=False)
+made = "torchvision" in sys.modules
+loaders.set_epoch(1)
+images, labels = next(iter(loaders.train))
+print(made, tuple(images.shape), "torchvision" in sys.modules)
+"""
+
+
+def test_a_rank_with_loader_workers_leaves_the_transforms_to_them(tmp_path):
+    """The workers transform the images, so the rank never imports torchvision (2 s of its start) for
+    them: its forkserver imports it beside the rank's start, once for all its workers."""
+    import subprocess
+    import sys
+
+    write_imagefolder(tmp_path, per_class=4, val_per_class=2, size=24)
+    proc = subprocess.run([sys.executable, "-c", RANK_WITH_LOADER_WORKERS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "(4,", "3,", "16,", "16)", "False"], proc.stdout
+
+
 def test_a_corrupt_image_stops_loading_with_its_name(tmp_path):
     write_imagefolder(tmp_path, per_class=4, val_per_class=2)
     jpeg = tmp_path / "train" / "class_2" / "0002.jpg"
