@@ -40,7 +40,7 @@ def test_gpu_on_a_cpu_cluster():
 
 
 def test_sizes_read_as_a_person_writes_them():
-    assert [size(m) for m in (2048, 300, 2.54, 0.05)] == ["2.0 GiB", "300 MiB", "2.5 MiB", "51 KiB"]
+    assert [size(m) for m in (2048, 300, 2.54, 0.05, 240 / 2**20)] == ["2.0 GiB", "300 MiB", "2.5 MiB", "51 KiB", "240 bytes"]
 
 
 def test_cpus_do_not_split_across_nodes():

@@ -241,7 +241,9 @@ def ranks_per_node(cfg: TrainConfig, nodes: list[dict]) -> int | None:
 
 
 def size(mib: float) -> str:
-    """MiB as a person reads them: 1.5 GiB, 300 MiB, 2.5 MiB, 120 KiB."""
+    """MiB as a person reads them: 1.5 GiB, 300 MiB, 2.5 MiB, 120 KiB, 240 bytes."""
+    if mib < 1 / 1024:
+        return f"{mib * 1024 * 1024:.0f} bytes"
     if mib < 0.1:
         return f"{mib * 1024:.0f} KiB"
     return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.1f} MiB"
