@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import pickle
@@ -24,11 +25,13 @@ def worker_start(datasets: list[Any]) -> BaseContext:
     A dataset that does not pickle (a lambda in it) cannot reach a forkserver's worker, and one that
     pickles to more than COPY_LIMIT would cost each worker a copy: those keep fork."""
     sizes = [pickled_size(dataset) for dataset in datasets]
+    imports = sorted({module for dataset in datasets for module in getattr(dataset, "worker_imports", ())})
     if None in sizes or sum(sizes) > COPY_LIMIT:
+        for module in imports:  # here, once: every forked worker has it then
+            importlib.import_module(module)
         return multiprocessing.get_context("fork")
     context = multiprocessing.get_context("forkserver")
-    more = [module for dataset in datasets for module in getattr(dataset, "worker_imports", ())]
-    context.set_forkserver_preload(PRELOAD + sorted(set(more)))  # no effect once this rank's forkserver runs
+    context.set_forkserver_preload(PRELOAD + imports)  # no effect once this rank's forkserver runs: the same list
     # Started now, not at the first batch: its import of torch (3 s, more on a loaded machine) then
     # runs while the rank builds its model and resumes. It takes this process's sys.path as it is now,
     # with the directory of a --dataset module already on it.
