@@ -8,7 +8,9 @@ one on a fresh cluster makes Ray start the coordinator: a detached actor whose p
 Data before the controller asks for any worker (docs/performance.md). Whether the cluster can scale
 is Ray Data's own test (its node groups as the GCS holds them), asked once by the driver; where it
 cannot be asked, or the run is elastic (whose policy sizes itself by what the coordinator reserved),
-Ray's policy stays as it is.
+Ray's policy stays as it is. Should the test misread a cluster that can grow, the run's pending
+placement group still asks its autoscaler for the nodes, as every Ray Train run did before the
+coordinator.
 
 This module must not import torch: the controller unpickles from it.
 """
