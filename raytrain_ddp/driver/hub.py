@@ -155,8 +155,9 @@ class LaunchHub:
         self._wake()
 
     async def excused(self, key: str, rank: int) -> bool:
-        """Whether this rank's teardown abort fails nothing (Attempt.excused), once its peers all
-        exited or TEARDOWN_WAIT_S passed."""
+        """Whether this rank's failure fails nothing (a teardown abort: Attempt.excused), once its
+        peers all exited or TEARDOWN_WAIT_S passed; every failed rank asks, so its peers' exits are
+        reported before Ray Train stops them."""
         attempt = self.attempts[key]
         while attempt.running() and time.monotonic() - attempt.arrived[rank] < TEARDOWN_WAIT_S:
             await asyncio.sleep(EXITS_POLL_S)

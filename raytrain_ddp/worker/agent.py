@@ -175,9 +175,10 @@ def run_script(loop_config: dict[str, Any]) -> None:
     error = child.error(error_file) if code != 0 else None
     shutil.rmtree(error_dir, ignore_errors=True)
     end = report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
-    # A teardown abort waits for its peers' exits: if they all exit 0, it fails nothing (hub.py's
-    # Attempt.excused), and raising now would have Ray Train stop them mid-teardown and rerun the script.
-    if code != 0 and reason is None and not (end.teardown_abort and ray.get(hub.excused.remote(key, rank))):
+    # A failed rank waits (boundedly) for its peers' exits before it raises: raising now would have Ray
+    # Train kill them mid-exit, before their agents say how they ended (the knock-on lines), or, for
+    # a teardown abort that fails nothing once they all exit 0 (hub.py's Attempt.excused), mid-teardown.
+    if code != 0 and reason is None and not ray.get(hub.excused.remote(key, rank)):
         raise RuntimeError(f"rank {rank} exited with {describe_exit(code)}")
     if aborted:  # Ray Train restarts the group, at the new size if a node went
         raise RuntimeError(f"rank {rank} stopped because {reason.why}")
