@@ -92,7 +92,6 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 }
 
 
-
 def dataset_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[[TrainConfig], Data]:
     """The builder for --dataset: a registry name, an import path, or a callable given by the Python API."""
     if given is None and not plugins.is_import_path(name):

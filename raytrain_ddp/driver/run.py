@@ -33,8 +33,8 @@ from raytrain_ddp.driver.resources import choose_layout
 from raytrain_ddp.driver.session import on_this_node, ray_address, restarts, start_private_ray, trainer_configs
 from raytrain_ddp.driver.shipping import ship_code, user_code
 from raytrain_ddp.driver.startup import RUN_STAGES
-from raytrain_ddp.driver.trial_step import trial_step
 from raytrain_ddp.driver.stops import Interrupted, RankConfigError, RayLost, Stalled, Stopped, UnhealthyNode
+from raytrain_ddp.driver.trial_step import trial_step
 
 POLL_S = 0.5
 """How often the driver asks rank 0's sink for news and passes on a signal it got."""

@@ -15,10 +15,10 @@ as Ray's own classes, less three costs that a start-up trace found in every run 
   by the driver, when its fit ends (`remove_dead_controllers_groups`).
 
 (The fourth, torch on the controller, is process_group.py's; the fifth, the AutoscalingCoordinator
-asked for the run's resources on a cluster that cannot scale, is fixed_size.py's.) The fast start overrides the private
-method through which the trainer starts its controller; where the installed Ray lacks any name it
-needs (ray_compat.FEATURES["fast_start"]), `ray_compat.fast` returns Ray's class, which starts the
-usual way.
+asked for the run's resources on a cluster that cannot scale, is fixed_size.py's.) The fast start
+overrides the private method through which the trainer starts its controller; where the installed
+Ray lacks any name it needs (ray_compat.FEATURES["fast_start"]), `ray_compat.fast` returns Ray's
+class, which starts the usual way.
 
 This module must not import torch: the controller unpickles from it.
 """

@@ -174,7 +174,7 @@ def run_script(loop_config: dict[str, Any]) -> None:
     aborted = reason is not None and reason.cause != "signal"
     error = child.error(error_file) if code != 0 else None
     shutil.rmtree(error_dir, ignore_errors=True)
-    end = report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
+    report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
     # A failed rank waits (boundedly) for its peers' exits before it raises: raising now would have Ray
     # Train kill them mid-exit, before their agents say how they ended (the knock-on lines), or, for
     # a teardown abort that fails nothing once they all exit 0 (hub.py's Attempt.excused), mid-teardown.
