@@ -140,17 +140,20 @@ class Lab:
         return Job(job_id, state, time.monotonic() - start, self.log(job_id))
 
     def wait_for_log(self, job_id: str, text: str, timeout: float = 120) -> None:
-        clock = QueueClock(time.monotonic())
-        while text not in self.log(job_id):
-            if (state := self.state(job_id)) in FINAL_STATES or clock.past(timeout, state):
-                pytest.fail(f"job {job_id} never logged {text!r} within {clock.said(timeout)}:\n{self.log(job_id)}")
-            time.sleep(0.5)
+        self.wait_until(job_id, f"log line {text!r}", lambda: text in self.log(job_id), timeout)
 
     def wait_until(self, job_id: str, what: str, done: Callable[[], bool], timeout: float) -> None:
         """Poll `done` while the job is alive; fail, with its log, if the job ends first."""
         clock = QueueClock(time.monotonic())
         while not done():
-            if (state := self.state(job_id)) in FINAL_STATES or clock.past(timeout, state):
+            state = self.state(job_id)
+            if state in FINAL_STATES:
+                # One more look: `done` may have come true between its last look and the job's end
+                # (a job seen COMPLETING, then COMPLETED).
+                if done():
+                    return
+                pytest.fail(f"job {job_id} ended {state} with no {what}:\n{self.log(job_id)}")
+            if clock.past(timeout, state):
                 pytest.fail(f"job {job_id}: no {what} within {clock.said(timeout)}:\n{self.log(job_id)}")
             time.sleep(0.5)
 
