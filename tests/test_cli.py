@@ -237,8 +237,9 @@ def test_dry_run_starts_nothing(tmp_path):
 )
 def test_preflight_refuses_what_the_cluster_cannot_fit(ray_head, tmp_path, args, fragments):
     started = time.monotonic()
-    proc = raytrain("run", *args, "--storage-path", str(tmp_path), env=ray_head.env, timeout=120)
+    proc = raytrain("run", *args, "--storage-path", str(tmp_path / "runs"), env=ray_head.env, timeout=120)
     assert_refused(proc, *fragments, within_s=60, started=started)
+    assert list(tmp_path.iterdir()) == []  # refused: no empty run directory left, nor the storage path made for it
 
 
 @pytest.mark.e2e
@@ -247,8 +248,9 @@ def test_wrong_token_is_refused(ray_head, tmp_path):
     wrong.write_text("0" * 64)
     env = {**ray_head.env, "RAY_AUTH_TOKEN_PATH": str(wrong)}
     started = time.monotonic()
-    proc = raytrain("run", "--storage-path", str(tmp_path), env=env, timeout=120)
+    proc = raytrain("run", "--storage-path", str(tmp_path / "runs"), env=env, timeout=120)
     assert_refused(proc, "refused our auth token", "RAY_AUTH_TOKEN_PATH", within_s=60, started=started)
+    assert [p.name for p in tmp_path.iterdir()] == ["token"]
 
 
 @pytest.mark.e2e

@@ -68,6 +68,31 @@ def test_a_process_takes_its_own_run_again_and_follows_it_when_moved_aside(tmp_p
         run_lock.release(run_dir)
 
 
+def test_a_refusal_removes_the_directories_it_made_and_nothing_else(tmp_path):
+    """abandon(): what take() made for a refused request goes, its parents made with it too; a
+    directory that was there, or that something else was put in meanwhile, stays."""
+    run_dir = tmp_path / "storage" / "runs" / "r1"
+    made = run_lock.made_by(run_dir)
+    assert made == tmp_path / "storage"
+    run_lock.take(run_dir)
+    run_lock.abandon(run_dir, made)
+    assert list(tmp_path.iterdir()) == []
+
+    (tmp_path / "runs").mkdir()
+    run_dir = tmp_path / "runs" / "r2"
+    made = run_lock.made_by(run_dir)
+    run_lock.take(run_dir)
+    (tmp_path / "runs" / "r3").mkdir()  # another run started beside it meanwhile
+    run_lock.abandon(run_dir, made)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["r3"]
+
+    run_lock.take(run_dir)  # a run that was there: released, its files kept
+    run_lock.abandon(run_dir, run_lock.made_by(run_dir))
+    assert (run_dir / run_lock.LOCK).exists()
+    run_lock.take(run_dir)  # and free to take again
+    run_lock.release(run_dir)
+
+
 def refused_while_held(run_dir: Path, *args: str) -> None:
     """`raytrain ARGS` while another process holds `run_dir`: refused in one line naming that process,
     before any Ray (--address names no cluster, and is never reached)."""

@@ -82,22 +82,21 @@ def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bo
     command's signal handlers back (ray.init replaces SIGTERM's) and raises for a stop that came.
     `say`: how the command prints its own lines (launch prefixes them, beside the script's)."""
     checked = check_request(cfg, model, dataset, trains=trains)
+    made = run_lock.made_by(checked.run_dir)
     run_lock.take(checked.run_dir)  # before anything is moved, started or said: a live driver's name is refused alone
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
         say(without)  # a launched script has no drain notices of ours
     try:
         return fit_to_cluster(checked, trains, stop_check, say)
     except BaseException:
-        run_lock.release(checked.run_dir)  # the Python API's caller may try again
+        run_lock.abandon(checked.run_dir, made)  # the Python API's caller may try again; no empty run left
         raise
 
 
 def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None], say: Callable[[str], None]) -> RunPlan:
-    """The plan's part that changes things: a fresh start's move aside, Ray joined, room found, the layout."""
-    if trains and not checked.cfg.resume:
-        start_fresh(checked.run_dir)
+    """The plan's part on the cluster: Ray joined, room found, the layout; then, as a refused request
+    changes nothing, a fresh start's move aside or the resume's choice made good."""
     check_writable(checked.run_dir)
-    take_checkpoint(checked)
     marks = {"checks": time.time()}
     session.connect(checked.cfg)
     marks["connect"] = time.time()
@@ -105,6 +104,9 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
     nodes, free_cpus = wait_for_room(checked.cfg, stop_check, say)
     cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus, say))
     state_mib = model_state(cfg, checked.model_shapes, nodes) if trains else None
+    if trains and not checked.cfg.resume:
+        start_fresh(checked.run_dir)
+    take_checkpoint(checked)
     marks["placement"] = time.time()
     return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model_shapes, checked.code,
                    checked.accum_steps, state_mib, marks, checked.resume)

@@ -74,6 +74,9 @@ def take(run_dir: Path) -> None:
                   "would not be refused", file=sys.stderr)
             return
         raise ConfigError(holder_line(run_dir)) from None
+    if not same_file(fd, run_dir / LOCK):  # a refused driver removed it after we opened it (abandon): again
+        os.close(fd)
+        return take(run_dir)
     me = Holder(socket.gethostname(), os.getpid(), time.time(), command()[:200])
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(asdict(me)).encode(), 0)
@@ -85,6 +88,35 @@ def release(run_dir: Path) -> None:
     fd = held.pop(run_dir, None)
     if fd is not None:
         os.close(fd)
+
+
+def made_by(path: Path) -> Path | None:
+    """The topmost of `path` and its parents that does not exist yet: what making `path` would make."""
+    made = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        made = p
+    return made
+
+
+def abandon(run_dir: Path, made: Path | None) -> None:
+    """A refused command's release: when it made `run_dir` (`made`, from made_by() before take()), the
+    directory goes too, with the parents made for it, so a refusal leaves nothing behind; whatever
+    else is in them by then stays."""
+    fd = held.get(run_dir)
+    if made is not None and fd is not None and same_file(fd, run_dir / LOCK):
+        (run_dir / LOCK).unlink()  # while it is locked: a driver that opened it meanwhile sees it gone (take)
+    release(run_dir)
+    if made is None:
+        return
+    for p in (run_dir, *run_dir.parents):
+        try:
+            p.rmdir()
+        except OSError:  # not empty: another driver's, or the user's, by now
+            return
+        if p == made:
+            return
 
 
 def command() -> str:
