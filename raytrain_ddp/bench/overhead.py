@@ -34,13 +34,21 @@ from raytrain_ddp.bench.regimes import GPU_COMPUTE, REGIMES, Regime, write_tenso
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.scale import steady
-from raytrain_ddp.driver.startup import RUN_STAGES, stages, stages_line
+from raytrain_ddp.driver.startup import LAUNCH_STAGES, RUN_STAGES, stages, stages_line
 
 ARMS = ("hand loop", "raytrain")
 """The hand-written loop under torchrun, and `raytrain run` on a running Ray."""
+LAUNCH_ARM = "launch"
+"""With --launch: the same hand-written loop under `raytrain launch` instead of torchrun."""
 TORCHRUN_STAGES = ("python", "process group", "data", "model", "first step")
 """The hand loop's stages, named as raytrain's: `python` is torchrun's agent, the ranks' interpreters
 and their imports; the rest as in startup.RUN_STAGES."""
+STAGE_COLUMNS = (*RUN_STAGES[:RUN_STAGES.index("workers") + 1], *LAUNCH_STAGES[LAUNCH_STAGES.index("workers") + 1:],
+                 "script imports", *RUN_STAGES[RUN_STAGES.index("workers") + 1:])
+"""Every arm's stages in the order they happen: run's and launch's share theirs up to `workers`."""
+SCRIPT_STAGES = ("script imports", "process group", "data", "model", "first step")
+"""The hand loop's own stages under `raytrain launch`, after launch's (startup.LAUNCH_STAGES): its
+interpreter's imports from the script's spawn, then the rest as under torchrun."""
 
 
 def regime_config(cfg: TrainConfig, regime: Regime, overrides: dict[str, Any], workdir: Path) -> TrainConfig:
@@ -80,6 +88,7 @@ def run_hand_loop(cfg: TrainConfig) -> dict[str, Any]:
              "-m", "raytrain_ddp.bench.torchrun_baseline", json.dumps(cfg.to_dict())],
             env=same_env(cfg), capture_output=True, text=True, timeout=1800,
         )
+    wall_s = time.time() - started
     if proc.returncode != 0:
         raise RuntimeError(f"the hand loop failed: {torchrun_failure(proc.stderr)}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -87,6 +96,36 @@ def run_hand_loop(cfg: TrainConfig) -> dict[str, Any]:
         "first_step_s": result["first_step_unix"] - started,
         "stages": stages(started, {**result["marks"], "first step": result["first_step_unix"]}, TORCHRUN_STAGES),
         "samples_per_s": steady(result["throughputs"]),
+        "wall_s": wall_s,
+        "nice": nice.seen,
+        "gpu_mib": result["gpu_mib"],
+    }
+
+
+def run_launch(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) -> dict[str, Any]:
+    """The hand loop of run_hand_loop, unchanged, under `raytrain launch` on the running Ray: its
+    stages are launch's up to the script's start, then the script's own."""
+    started = time.time()
+    with NiceWatch(cfg.workers) as nice:
+        proc = subprocess.run(
+            [sys.executable, "-m", "raytrain_ddp", "launch", "--workers", str(cfg.workers),
+             "--cpus-per-worker", str(cfg.cpus_per_worker), "--storage-path", str(workdir), "--name", name,
+             "-m", "raytrain_ddp.bench.torchrun_baseline", json.dumps(cfg.to_dict())],
+            env={**env, "OMP_NUM_THREADS": str(cfg.cpus_per_worker)}, capture_output=True, text=True, timeout=1800,
+        )
+    wall_s = time.time() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"raytrain launch failed: {proc.stderr.strip().splitlines()[-1:]}")
+    run_dir = workdir / name
+    result = json.loads((run_dir / "logs" / "rank-0.log").read_text().strip().splitlines()[-1])
+    launched = json.loads((run_dir / "summary.json").read_text())["startup"]["stages"]
+    script_start = started + sum(launched.values())
+    own = {"script imports": result["marks"]["python"], **result["marks"], "first step": result["first_step_unix"]}
+    return {
+        "first_step_s": result["first_step_unix"] - started,
+        "stages": {**launched, **stages(script_start, own, SCRIPT_STAGES)},
+        "samples_per_s": steady(result["throughputs"]),
+        "wall_s": wall_s,
         "nice": nice.seen,
         "gpu_mib": result["gpu_mib"],
     }
@@ -116,6 +155,7 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
             [sys.executable, "-m", "raytrain_ddp", "run", "--config", str(config)],
             env=env, capture_output=True, text=True, timeout=1800,
         )
+    wall_s = time.time() - started
     if proc.returncode != 0:
         raise RuntimeError(f"raytrain run failed: {proc.stderr.strip().splitlines()[-1:]}")
     summary = json.loads((workdir / name / "summary.json").read_text())
@@ -124,6 +164,7 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
         "first_step_s": summary["first_step_unix"] - started,
         "stages": summary["startup"]["stages"],
         "samples_per_s": steady([float(r["throughput"]) for r in rows]),
+        "wall_s": wall_s,
         "nice": nice.seen,
         "gpu_mib": max(float(r["gpu_mem_peak_mib"]) for r in rows) if cfg.gpu else None,
     }
@@ -165,35 +206,36 @@ class NiceWatch:
 def report(results: dict[str, list[dict[str, Any]]]) -> str:
     """One regime's table: medians against the hand loop's, each arm's ranks' niceness, its peak GPU
     memory (`-` on CPU) and each round's figures; then its start-up stages."""
-    base = {key: statistics.median(r[key] for r in results["hand loop"]) for key in ("first_step_s", "samples_per_s")}
+    keys = ("first_step_s", "samples_per_s", "wall_s")
+    base = {key: statistics.median(r[key] for r in results["hand loop"]) for key in keys}
     lines = [
-        f"{'arm':<10} {'first step s':>12} {'x hand loop':>11} {'samples/s':>10} {'x hand loop':>11} {'nice':>5} "
-        f"{'GPU MiB':>8}  rounds (first step s; samples/s)",
+        f"{'arm':<10} {'first step s':>12} {'x hand loop':>11} {'samples/s':>10} {'x hand loop':>11} {'whole s':>8} "
+        f"{'x hand loop':>11} {'nice':>5} {'GPU MiB':>8}  rounds (first step s; samples/s)",
     ]
     for arm, runs in results.items():
-        first = statistics.median(r["first_step_s"] for r in runs)
-        rate = statistics.median(r["samples_per_s"] for r in runs)
+        first, rate, wall = (statistics.median(r[key] for r in runs) for key in keys)
         nice = ",".join(str(n) for n in sorted({n for r in runs for n in r.get("nice", [])})) or "?"
         gpus = [r["gpu_mib"] for r in runs if r.get("gpu_mib") is not None]
         gpu = f"{statistics.median(gpus):.0f}" if gpus else "-"
         each = " ".join(f"{r['first_step_s']:.1f}" for r in runs) + "; " + " ".join(f"{r['samples_per_s']:.1f}" for r in runs)
         lines.append(
             f"{arm:<10} {first:>12.1f} {first / base['first_step_s']:>11.2f} {rate:>10.1f} "
-            f"{rate / base['samples_per_s']:>11.3f} {nice:>5} {gpu:>8}  {each}"
+            f"{rate / base['samples_per_s']:>11.3f} {wall:>8.1f} {wall / base['wall_s']:>11.2f} {nice:>5} {gpu:>8}  {each}"
         )
     return "\n".join(lines) + "\n\n" + stages_table(results)
 
 
 def stages_table(results: dict[str, list[dict[str, Any]]]) -> str:
     """Median seconds per start-up stage and arm, so a slower start points at its stage; `-` where
-    an arm has no such stage."""
-    names = ("total", *RUN_STAGES)
+    an arm has no such stage; only the stages some arm has are columns."""
+    seen = {name for runs in results.values() for r in runs for name in r.get("stages", {})}
+    names = ("total", *(name for name in STAGE_COLUMNS if name in seen))
     widths = [max(len(name) + 2, 8) for name in names]
     lines = [f"{'start-up stages, median s':<26}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths))]
     for arm, runs in results.items():
         timed = [r["stages"] for r in runs if r.get("stages")]
         cells = [statistics.median(sum(s.values()) for s in timed) if timed else None]
-        for name in RUN_STAGES:
+        for name in names[1:]:
             found = [s[name] for s in timed if name in s]
             cells.append(statistics.median(found) if found else None)
         lines.append(f"{arm:<26}" + "".join("-".rjust(w) if c is None else f"{c:>{w}.1f}" for c, w in zip(cells, widths)))
@@ -206,9 +248,11 @@ def load_line(when: str) -> str:
 
 
 def bench_overhead(
-    cfg: TrainConfig, regimes: list[str], rounds: int, overrides: dict[str, Any]
+    cfg: TrainConfig, regimes: list[str], rounds: int, overrides: dict[str, Any], launch: bool = False,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every regime's arms alternated for `rounds` rounds; prints each regime's table as it ends."""
+    """Every regime's arms alternated for `rounds` rounds; prints each regime's table as it ends.
+    `launch`: a third arm, the hand loop under `raytrain launch`."""
+    arms = (*ARMS, LAUNCH_ARM) if launch else ARMS
     # Fixed threads per worker, so raytrain's workers and the hand loop's run alike (no CPU share).
     cfg = dataclasses.replace(
         cfg, progress="none", address=None, cpus_per_worker=cfg.cpus_per_worker or 1, placement=cfg.placement or "pack"
@@ -226,11 +270,13 @@ def bench_overhead(
                                     overrides, workdir)
             print(f"\n== {name}: {regime.what}; {run_cfg.workers} ranks, batch {run_cfg.batch_size} per rank, "
                   f"{run_cfg.epochs} epochs, {run_cfg.data_workers} loader workers\n{load_line('at the start')}", flush=True)
-            results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+            results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
             for round_ in range(1, rounds + 1):
-                for arm in ARMS:
+                for arm in arms:
                     if arm == "hand loop":
                         result = run_hand_loop(run_cfg)
+                    elif arm == LAUNCH_ARM:
+                        result = run_launch(run_cfg, head.env, workdir, f"{name}-launch-{round_}")
                     else:
                         result = run_raytrain(run_cfg, head.env, workdir, f"{name}-{round_}")
                     results[arm].append(result)

@@ -28,9 +28,11 @@ def overhead_command(
     train_samples: Optional[int] = typer.Option(None, "--train-samples", help="Training samples (or JPEGs made) per "
                                                 "epoch, instead of each regime's own (sized for ~10 s epochs on 2 CPUs)."),
     val_samples: Optional[int] = typer.Option(None, "--val-samples", help="Validation samples of the in-memory regimes."),
+    launch: bool = typer.Option(False, "--launch", help="A third arm: the same hand-written loop under `raytrain "
+                                "launch` instead of torchrun."),
 ) -> None:
     """`raytrain run` on a running Ray against the DDP loop a user writes by hand under torchrun, in
-    three regimes: first step, steady samples/s, niceness, machine load."""
+    three regimes: first step, steady samples/s, whole run, niceness, machine load."""
     from raytrain_ddp.bench.overhead import bench_overhead
     from raytrain_ddp.bench.regimes import REGIMES
 
@@ -51,7 +53,7 @@ def overhead_command(
             )
     overrides = dict(model=model, dataset=dataset, image_size=image_size, batch_size=batch_size,
                      train_samples=train_samples, val_samples=val_samples)
-    bench_overhead(cfg, chosen, rounds, overrides)
+    bench_overhead(cfg, chosen, rounds, overrides, launch)
 
 
 def data_command(
