@@ -5,11 +5,15 @@ figures) is checked in test_cli.py's run."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 
-from raytrain_ddp.doctor.health import NodeHealth, slow_nodes, table
+from raytrain_ddp.doctor.health import NodeHealth, best_of, slow_nodes, table
 from raytrain_ddp.driver.stops import UnhealthyNode
-from raytrain_ddp.worker.health_check import pairings, shares_cores
+from raytrain_ddp.worker.health_check import machine_id, pairings, shares_cores
 
 
 def node(i: int, gemm: float, link: float | None = None, gpu: bool = False, shared: bool = False) -> NodeHealth:
@@ -25,6 +29,18 @@ def test_two_nodes_compare_with_each_other_not_their_mean():
     [slow] = slow_nodes([node(0, 100.0), node(1, 60.0)])
     assert slow.line() == ("health check: node n1 (10.0.0.1) is far below the other nodes' median: "
                            "GEMM 60.0 GFLOPS vs 100.0 GFLOPS")
+
+
+def test_a_node_is_named_only_when_slow_in_both_passes():
+    # n1 held back by another process in the first pass only; n2 throttled in both.
+    first = [node(0, 80.0, 0.4), node(1, 9.8, 0.1), node(2, 20.0, 0.4)]
+    second = [node(0, 78.0, 0.5), node(1, 79.0, 0.4), node(2, 21.0, 0.3)]
+    assert [s.node.host for s in slow_nodes(first)] == ["n1", "n2"]
+    both = best_of(first, second)
+    assert [(n.gemm_gflops, n.link_gbps) for n in both] == [(80.0, 0.5), (79.0, 0.4), (21.0, 0.4)]
+    assert [s.node.host for s in slow_nodes(both)] == ["n2"]
+    lone = [node(0, 50.0)]
+    assert best_of(lone, [node(0, 40.0)]) == [node(0, 50.0)]  # a lone node has no link figure
 
 
 def test_two_nodes_links_name_neither():
@@ -58,8 +74,8 @@ def test_nodes_whose_ranks_share_cores_are_not_judged_by_their_gemm():
     assert table([node(0, 100.0, 2.0), node(1, 20.0, 2.0)])[2].endswith("SLOW")
 
 
-def rank(host: str, cores: list[int], threads: int = 1) -> dict:
-    return {"host": host, "cores": cores, "threads": threads}
+def rank(host: str, cores: list[int], threads: int = 1, machine: str | None = None) -> dict:
+    return {"host": host, "machine": machine or host, "cores": cores, "threads": threads}
 
 
 def test_ranks_share_cores_when_their_threads_outnumber_the_cores_they_may_run_on():
@@ -70,6 +86,20 @@ def test_ranks_share_cores_when_their_threads_outnumber_the_cores_they_may_run_o
     pinned, free = rank("vm", [1]), rank("vm", [0, 1])  # a Ray node pinned to core 1, another on both
     assert not shares_cores([pinned], [pinned, free]) and not shares_cores([free], [pinned, free])
     assert not shares_cores([rank("a", [0, 1], 2)], [rank("a", [0, 1], 2), rank("b", [0, 1], 2)])  # other hosts
+    # containers (or network namespaces) on one machine: their own hostnames, the machine's boot id
+    pods = [rank("n1", [0, 1], 2, machine="boot-1"), rank("n3", [0, 1], 2, machine="boot-1")]
+    assert shares_cores(pods[:1], pods) and shares_cores(pods[1:], pods)
+
+
+def test_the_machine_is_the_same_in_another_network_and_hostname_namespace():
+    here = machine_id()
+    assert here and here != socket.gethostname()  # Linux: the kernel's boot id
+    other = subprocess.run(["unshare", "--uts", "--net", "sh", "-c", f"hostname elsewhere && {sys.executable} -c "
+                            "'from raytrain_ddp.worker.health_check import machine_id; print(machine_id())'"],
+                           capture_output=True, text=True, timeout=60)
+    if other.returncode != 0:
+        pytest.skip(f"no namespaces here (unshare needs root): {other.stderr.strip()[-200:]}")
+    assert other.stdout.strip() == here
 
 
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 8])

@@ -888,12 +888,14 @@ def test_elastic_launch_loses_a_node_and_finishes_at_world_size_1(lab: Lab) -> N
 
 # ---- a bad node ---------------------------------------------------------------------------------
 
-# The requeued run only warns: on a busy 2-core machine a sound node's GEMM can dip below the bar too,
-# and this test is about the first run's node being left out, not about a second verdict.
+# The testbed's nodes share the machine's 2 cores: one thread per rank, one rank per node, so their
+# GEMMs do not measure each other (4 threads on 2 cores would be judged no node's, health_check.py's
+# shares_cores). The requeued run only warns: on a busy 2-core machine a sound node's GEMM can dip
+# below the bar too, and this test is about the first run's node being left out, not a second verdict.
 BAD_NODE_SH = """\
 health=warn
 [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && health=exclude
-exec raytrain run --workers 2 --cpus-per-worker 2 --health "$health" --epochs 1 --train-samples 256 \\
+exec raytrain run --workers 2 --cpus-per-worker 1 --placement spread --health "$health" --epochs 1 --train-samples 256 \\
     --val-samples 64 --batch-size 32 --data-workers 0 --progress plain "$@"
 """
 

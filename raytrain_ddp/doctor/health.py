@@ -4,13 +4,14 @@ Every rank times a short GEMM, and each node's first rank times exchanges with a
 (worker/health_check.py). A node's GEMM figure is its slowest rank's; its link figure is its best
 exchange, so a slow partner never makes a sound node look slow, while a slow NIC slows every exchange
 of its own node. A node is named when a figure is below a share of the other nodes' median: with two
-nodes that is the other node, so no mean of a pair hides the gap. Pure: no torch, no Ray.
+nodes that is the other node, so no mean of a pair hides the gap; and only when a second pass finds
+it slow too (best_of). Pure: no torch, no Ray.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 GEMM_FLOOR = 0.7
@@ -87,6 +88,16 @@ def slow_nodes(nodes: list[NodeHealth]) -> list[SlowNode]:
         if figures:
             found.append(SlowNode(node, tuple(figures)))
     return found
+
+
+def best_of(first: list[NodeHealth], second: list[NodeHealth]) -> list[NodeHealth]:
+    """Each node's better GEMM and better link of two passes of the check over the same ranks."""
+    again = {n.ip: n for n in second}
+    return [
+        replace(n, gemm_gflops=max(n.gemm_gflops, again[n.ip].gemm_gflops),
+                link_gbps=None if n.link_gbps is None else max(n.link_gbps, again[n.ip].link_gbps))
+        for n in first
+    ]
 
 
 def table(nodes: list[NodeHealth]) -> list[str]:

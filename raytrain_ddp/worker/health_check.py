@@ -16,9 +16,10 @@ import os
 import socket
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.doctor.health import NodeHealth, slow_nodes
+from raytrain_ddp.doctor.health import NodeHealth, best_of, slow_nodes
 
 ROUNDS = 3
 """Pairings each node's first rank times (fewer with fewer nodes): with two or more, a sound node
@@ -33,13 +34,32 @@ EXCHANGES = 5
 
 def health_check(rank: int, world_size: int, device: Any) -> list[NodeHealth] | None:
     """Run the check on this rank; every rank must call it. Rank 0 gets the nodes (by Ray's node IP),
-    in the order of their first rank; the others None."""
+    in the order of their first rank; the others None.
+
+    A pass that finds a node slow is timed once more, and each node keeps its better figures of
+    the two (doctor/health.py's best_of): a node another process held back for a moment is not
+    named, while a throttled GPU or a taken core is slow both times."""
+    import torch.distributed as dist
+
+    nodes = measure(rank, world_size, device)
+    again = [rank == 0 and bool(slow_nodes(nodes))]
+    if world_size > 1:
+        dist.broadcast_object_list(again, src=0)
+    if again[0]:
+        second = measure(rank, world_size, device)
+        if rank == 0:
+            nodes = best_of(nodes, second)
+    return nodes
+
+
+def measure(rank: int, world_size: int, device: Any) -> list[NodeHealth] | None:
+    """One pass of the check: every rank's GEMM, then the node leaders' exchanges; rank 0 gets the nodes."""
     import ray
     import torch
     import torch.distributed as dist
 
     gpu = device.type == "cuda"
-    mine = {"rank": rank, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
+    mine = {"rank": rank, "host": socket.gethostname(), "machine": machine_id(), "ip": ray.util.get_node_ip_address(),
             "gflops": gemm_gflops(device), "threads": 0 if gpu else torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0))}
     everyone = [mine] * world_size
@@ -64,11 +84,21 @@ def health_check(rank: int, world_size: int, device: Any) -> list[NodeHealth] | 
     ]
 
 
+def machine_id() -> str:
+    """This machine as its kernel knows it: the boot id, the same in every container and network
+    namespace on it, whose hostnames differ (KubeRay's pods on one host, the Slurm testbed's nodes);
+    the hostname where there is no /proc."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def shares_cores(node: list[dict[str, Any]], everyone: list[dict[str, Any]]) -> bool:
-    """Whether a node's ranks, with every rank of its host that may run on the same cores (Ray nodes
-    started side by side on one host), run more threads than those cores."""
+    """Whether a node's ranks, with every rank of its machine that may run on the same cores (Ray
+    nodes side by side on one machine, in containers or not), run more threads than those cores."""
     cores = {core for rank in node for core in rank["cores"]}
-    near = [r for r in everyone if r["host"] == node[0]["host"] and cores & set(r["cores"])]
+    near = [r for r in everyone if r["machine"] == node[0]["machine"] and cores & set(r["cores"])]
     return sum(r["threads"] for r in near) > len(cores.union(*(r["cores"] for r in near)))
 
 
