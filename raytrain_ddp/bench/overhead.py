@@ -7,8 +7,9 @@ under `torchrun --standalone` (torchrun_baseline.py), and `raytrain run` on a Ra
 up (a private head, as on Slurm, where the sbatch starts Ray before the run). Each reports the
 time from command start to the end of the first optimizer step, where those seconds went (the
 start-up stages of startup.py; the hand loop's where it has them), steady-state samples/s, and the
-niceness of its ranks. The machine's load is printed at each regime's start and end. It prints
-figures; it asserts nothing about speed.
+niceness of its ranks, and the whole command's wall time. With --launch a third arm runs the same
+hand-written loop under `raytrain launch`, its stages launch's then the script's. The machine's load
+is printed at each regime's start and end. It prints figures; it asserts nothing about speed.
 """
 
 from __future__ import annotations
