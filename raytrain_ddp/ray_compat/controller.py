@@ -9,7 +9,7 @@ as Ray's own classes, less four costs that a trace found in every run (docs/perf
 - **The DatasetManager.** Its process is made for every run, with or without Ray Datasets. Here it
   is made only when the run has datasets.
 - **The controller's poll of the ranks**, every 2 s in Ray: the fit returns seconds after the
-  ranks end, and a run's end waits for it. Here a run of a fixed size polls every POLL_S.
+  ranks end, and a run's end waits for it. Here it polls every POLL_S.
 - **The PlacementGroupCleaner** (Ray >= 2.55). It asks the State API, from inside an actor, whether
   the controller is alive. On a token-secured cluster that call times out, so the cleaner never
   cleans anything, and its `stop()` holds the end of every fit. Its one job, removing the placement
@@ -54,10 +54,7 @@ class TrainController(RayTrainController):
         super().__init__(**kwargs)
         # Ray's knob for it, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, set on the driver would give this
         # controller and every rank a runtime_env (above); a cluster whose nodes set it keeps theirs.
-        # An elastic run keeps Ray's: polled every 0.5 s, the elastic test's run grew an epoch or two
-        # later than at 2 s (twice in a row), too late for its drain; not understood yet.
-        elastic = any(c.__name__ == "ElasticScalingPolicy" for c in type(kwargs.get("scaling_policy")).__mro__)
-        if HEALTH_CHECK_ENV not in os.environ and not elastic and hasattr(self, "_health_check_interval_s"):
+        if HEALTH_CHECK_ENV not in os.environ and hasattr(self, "_health_check_interval_s"):
             self._health_check_interval_s = POLL_S
 
 
