@@ -51,7 +51,6 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         private = private_ray_up(cfg)
         use_token_auth(str(private.token))
         ray.init(address=private.address, runtime_env=runtime_env, **quiet)
-        leave_without_pause(cfg)
         return
     if address == "auto":
         raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
@@ -68,7 +67,6 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
             _joined = GcsWatch(address) if not address.startswith("ray://") else None
-            leave_without_pause(cfg)
             return
         except (ConnectionError, RuntimeError) as err:
             if mismatch := ray_mismatch(address, str(err)):
@@ -84,16 +82,6 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
         f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
         "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
     )
-
-
-def leave_without_pause(cfg: TrainConfig) -> None:
-    """Leave Ray at exit without its pause: Ray's own exit hook waits 0.5 s for the workers' lines
-    to reach the terminal, and without --verbose none are sent here (log_to_driver). Registered
-    after ray.init, so it runs first (atexit is last in, first out) and Ray's then finds nothing to do."""
-    import ray
-
-    if not cfg.verbose:
-        atexit.register(ray.shutdown)
 
 
 _private: PrivateRay | None = None
