@@ -41,12 +41,15 @@ def test_stages_table_medians_each_stage_and_marks_the_missing():
 
 
 def test_nice_watch_reads_the_busiest_children_niceness():
-    busy = "import os, time\nos.nice({})\nend = time.time() + {}\nwhile time.time() < end: pass\n"
+    # Each child burns a fixed amount of CPU, not of wall time, and then stays alive past the watch's
+    # next look: on a loaded machine (CI) a nice-5 child gets little of the cores, and a wall-time
+    # loop would leave it with less CPU than a sleeper's start-up.
+    burn = "import os, sys, time\nos.nice({})\nwhile time.process_time() < {}: pass\nprint(flush=True)\ntime.sleep({})\n"
     # a child busy before the block and idle in it, as a Ray head started by this process: not a rank
-    earlier = subprocess.Popen([sys.executable, "-c", busy.format(0, 4) + "time.sleep(4)\n"])
-    time.sleep(4.5)
+    earlier = subprocess.Popen([sys.executable, "-c", burn.format(0, 1.5, 6)], stdout=subprocess.PIPE, text=True)
+    earlier.stdout.readline()  # its burning is over
     with NiceWatch(ranks=2) as watch:
-        procs = [subprocess.Popen([sys.executable, "-c", busy.format(n, 2.5)]) for n in (3, 5)]
+        procs = [subprocess.Popen([sys.executable, "-c", burn.format(n, 1.0, 1.5)]) for n in (3, 5)]
         idle = subprocess.Popen([sys.executable, "-c", "import os, time; os.nice(9); time.sleep(2.5)"])
         for p in [*procs, idle]:
             p.wait()
