@@ -8,7 +8,8 @@ the last snapshot. Nothing in it knows about Ray.
 Each rank appends one JSON line per start to OUT/rank-N.jsonl (its environment, the epoch it started
 from) and one when it ends. SIGINT or SIGTERM stops it after the epoch: every rank agrees, rank 0
 saves the snapshot, all exit 0.
-Knobs for tests: --crash-rank R raises on start-up in the first attempt (TORCHELASTIC_RESTART_COUNT 0);
+Knobs for tests: --crash-rank R raises on start-up in the first attempt (TORCHELASTIC_RESTART_COUNT 0),
+once every rank has noted its start;
 --stubborn-rank R ignores both signals and never exits once told to stop; --epoch-s slows epochs.
 """
 
@@ -42,6 +43,20 @@ def note(out, rank, **fields):
         f.write(json.dumps(fields) + "\n")
 
 
+def wait_for_starts(out, world_size, restart, timeout_s=120.0):
+    def started(rank):
+        try:
+            lines = open(os.path.join(out, f"rank-{rank}.jsonl")).read().splitlines()
+        except FileNotFoundError:
+            return False
+        return any(e["event"] == "start" and e["env"]["TORCHELASTIC_RESTART_COUNT"] == str(restart)
+                   for e in map(json.loads, lines))
+
+    end = time.time() + timeout_s
+    while not all(started(r) for r in range(world_size)) and time.time() < end:
+        time.sleep(0.1)
+
+
 @record
 def main():
     parser = argparse.ArgumentParser()
@@ -60,6 +75,9 @@ def main():
          sigint_default=signal.getsignal(signal.SIGINT) is signal.default_int_handler,
          blocked=int(status["SigBlk"], 16), ignored=int(status["SigIgn"], 16))
     if rank == args.crash_rank and restart == 0:
+        # Only once every rank has noted this attempt's start: on a loaded machine one rank may come
+        # up seconds after the other, and the restart would end it before its start was on record.
+        wait_for_starts(args.out, world_size, restart)
         raise ValueError(f"rank {rank} crashes on start-up on purpose")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN if rank == args.stubborn_rank else on_signal)
