@@ -20,6 +20,7 @@ from raytrain_ddp.cli import main
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
 from raytrain_ddp.driver.model_shapes import model_shapes
+from raytrain_ddp.driver.private_ray import runs_dir
 from raytrain_ddp.driver.startup import RUN_STAGES, stages_line
 
 
@@ -28,6 +29,7 @@ def test_run_starts_a_local_ray_and_learns(tmp_path):
     """The README's first command, with no cluster around: a private local Ray on CPU. Its model
     was built before (the cache of driver/model_shapes.py), so its driver never imports torch."""
     model_shapes(TrainConfig(), None, 3)
+    private_rays = set(runs_dir().iterdir())
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "raytrain_ddp", "run", "--workers", "2", "--epochs", "2",
          "--train-samples", "1024", "--val-samples", "256", "--data-workers", "0", "--storage-path", str(tmp_path),
@@ -51,6 +53,13 @@ def test_run_starts_a_local_ray_and_learns(tmp_path):
     assert summary["config"]["workers"] == 2
     assert "done: 2 gloo workers" in proc.stdout
     assert not [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("straggler:")], proc.stdout
+    # Its private Ray, whose one node no one can drain, ran it without Ray Train's PreemptionWatcher
+    # (private_ray.NO_DRAIN_WATCH): the logs it keeps of its processes (another test may have run one beside it).
+    [session] = [d / "ray" / "session_latest" for d in set(runs_dir().iterdir()) - private_rays
+                 if any('"run_name": "local"' in log.read_text(errors="replace")
+                        for log in d.glob("ray/session_latest/logs/train/ray-train-sys-controller-*.log"))]
+    actors = actors_started(session / "logs", {})
+    assert actors.count("RayTrainWorker") == 2 and "PreemptionWatcher" not in actors, actors
 
 
 @pytest.mark.e2e

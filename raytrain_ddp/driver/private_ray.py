@@ -39,6 +39,14 @@ def runs_dir() -> Path:
     return base
 
 
+NO_DRAIN_WATCH = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""A private Ray's runs go without Ray Train's PreemptionWatcher: a process per run that imports Ray
+Train (over a second of CPU, beside the ranks' model build) to pass on Ray's notice that it drains a
+node. No one drains a private Ray's one node: only this driver holds its token. Set in the head's
+environment, which the controller inherits, and not the driver's: Ray Train would ship a driver's
+RAY_TRAIN_* settings in a runtime_env, which the fast start leaves out (ray_compat/controller.py)."""
+
+
 class PrivateRay:
     """One private head under its keeper, spawned at once; up(private) waits for it."""
 
@@ -46,7 +54,7 @@ class PrivateRay:
         # A short directory of its own: Ray's socket paths must stay under 107 bytes.
         self.directory = Path(tempfile.mkdtemp(prefix="k", dir=runs_dir()))  # 0700
         self.token = new_token(self.directory)
-        self.env = head_env(self.token)
+        self.env = head_env(self.token, NO_DRAIN_WATCH)
         port, *others = free_ports("127.0.0.1", HEAD_PORTS)
         self.address = f"127.0.0.1:{port}"
         read, self.pipe = os.pipe()
