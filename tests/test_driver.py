@@ -115,8 +115,8 @@ def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp
     seen = wait_for_line(proc, "run c: 2 gloo workers")
     time.sleep(1.0)  # the driver is about to call fit(), with its handlers in place
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    seen += wait_for_line(proc, "got Ctrl-C: checkpointing at the next agreed step")
+    proc.send_signal(signal.SIGINT)  # at once: the first may end a run quickly (before any rank, say)
     stopped = time.monotonic()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, seen + out + err[-2000:]

@@ -1,5 +1,5 @@
 """Ray Train, started lean: `fast(TorchTrainer)` and `fast(DataParallelTrainer)` start the same run
-as Ray's own classes, less three costs that a start-up trace found in every run (docs/performance.md):
+as Ray's own classes, less four costs that a trace found in every run (docs/performance.md):
 
 - **The controller's runtime_env.** Ray Train gives its controller one (`RAY_WARN_BLOCKING_GET_INSIDE_ASYNC=0`,
   plus any `RAY_TRAIN_*` variable the driver sets), and every actor the controller creates inherits
@@ -8,13 +8,15 @@ as Ray's own classes, less three costs that a start-up trace found in every run 
   controller here starts without one and sets that warning switch in its own process.
 - **The DatasetManager.** Its process is made for every run, with or without Ray Datasets. Here it
   is made only when the run has datasets.
+- **The controller's poll of the ranks**, every 2 s in Ray: the fit returns seconds after the
+  ranks end, and a run's end waits for it. Here a run of a fixed size polls every POLL_S.
 - **The PlacementGroupCleaner** (Ray >= 2.55). It asks the State API, from inside an actor, whether
   the controller is alive. On a token-secured cluster that call times out, so the cleaner never
   cleans anything, and its `stop()` holds the end of every fit. Its one job, removing the placement
   groups of a controller that died (Ray keeps them until the driver exits), is done here instead,
   by the driver, when its fit ends (`remove_dead_controllers_groups`).
 
-(The fourth, torch on the controller, is process_group.py's; the fifth, the AutoscalingCoordinator
+(The fifth, torch on the controller, is process_group.py's; the sixth, the AutoscalingCoordinator
 asked for the run's resources on a cluster that cannot scale, is fixed_size.py's.) The fast start
 overrides the private method through which the trainer starts its controller; where the installed
 Ray lacks any name it needs (ray_compat.FEATURES["fast_start"]), `ray_compat.fast` returns Ray's
@@ -36,6 +38,12 @@ from raytrain_ddp.ray_compat.features import has, supports
 
 logger = logging.getLogger(__name__)
 
+POLL_S = 0.5
+"""How often the controller asks the ranks how they are, where Ray's default is every 2 s: a run's
+end, and a rank that failed, are seen that much sooner (docs/performance.md, "The end of a run"). A
+poll is a tiny actor call on each rank; one that hangs is a failure only after Ray's own timeout."""
+HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
 
 class TrainController(RayTrainController):
     """Ray Train's controller, started without a runtime_env: it sets its one variable itself."""
@@ -44,6 +52,15 @@ class TrainController(RayTrainController):
         # The controller blocks on ray.get by design; Ray's runtime_env silences the warning so.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         super().__init__(**kwargs)
+        # Ray's knob for it, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, set on the driver would give this
+        # controller and every rank a runtime_env (above); a cluster whose nodes set it keeps theirs.
+        # An elastic run keeps Ray's: each of its polls may also look for room to resize (a call to
+        # the AutoscalingCoordinator, and elastic.py's GCS queries and probe of each node), and at
+        # 0.5 s the elastic test's run grew an epoch or two later than at 2 s on the 2-core CI
+        # machine (twice in a row), too late for its drain; that cost is the suspect, not proven.
+        elastic = any(c.__name__ == "ElasticScalingPolicy" for c in type(kwargs.get("scaling_policy")).__mro__)
+        if HEALTH_CHECK_ENV not in os.environ and not elastic and hasattr(self, "_health_check_interval_s"):
+            self._health_check_interval_s = POLL_S
 
 
 def needed(callback: Any, datasets: dict[str, Any]) -> bool:
