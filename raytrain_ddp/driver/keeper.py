@@ -136,7 +136,10 @@ def loss_line(name: str, pid: int, words: str | None) -> str:
 
 
 def end_tree(statuses: dict[int, int]) -> None:
-    """SIGTERM to every descendant, GRACE_S, then SIGKILL to each left, until none is left, all reaped."""
+    """SIGTERM to every descendant, then SIGKILL to each left once the raylet is gone or GRACE_S has
+    passed, until none is left, all reaped. Ray's workers end with their raylet, so nothing left has
+    work to finish: the GCS (a private head's keeps nothing on disk), `ray start`'s wait and the
+    autoscaler's monitor, which sat out the whole grace, 2 s of every private Ray's end."""
     for sig, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
         for pid in descendants(os.getpid()):
             kill_quietly(pid, sig)
@@ -149,6 +152,8 @@ def end_tree(statuses: dict[int, int]) -> None:
             if sig == signal.SIGKILL:  # one forked meanwhile
                 for pid in left:
                     kill_quietly(pid, signal.SIGKILL)
+            elif "raylet" not in left.values():
+                break
             time.sleep(0.05)
 
 
