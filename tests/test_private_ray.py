@@ -5,6 +5,7 @@ parsing alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -198,8 +199,6 @@ print(json.dumps({{"names": names, "took": time.monotonic() - began, "left": kee
 def test_the_rest_of_a_head_is_killed_once_its_raylet_is_gone_not_after_the_grace(tmp_path):
     # As the keeper ends a head: a raylet that ends on SIGTERM, and a process that ignores it (as the
     # GCS, `ray start --block` and the autoscaler's monitor sat out the grace). Real processes.
-    import json
-
     script = tmp_path / "tree.py"
     script.write_text(TREE.format(repo=str(Path(__file__).resolve().parents[1])))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)

@@ -139,7 +139,7 @@ def end_tree(statuses: dict[int, int]) -> None:
     """SIGTERM to every descendant, then SIGKILL to each left once the raylet is gone or GRACE_S has
     passed, until none is left, all reaped. Ray's workers end with their raylet, so nothing left has
     work to finish: the GCS (a private head's keeps nothing on disk), `ray start`'s wait and the
-    autoscaler's monitor, which sat out the whole grace, 2 s of every private Ray's end."""
+    autoscaler's monitor. Those sat out the whole grace: 2 s of every private Ray's end."""
     for sig, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 10.0)):
         for pid in descendants(os.getpid()):
             kill_quietly(pid, sig)
