@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,18 @@ def test_without_the_check_the_wall_lets_everything_pass(monkeypatch):
     monkeypatch.delenv(host_sync.CHECK_ENV, raising=False)
     with host_sync.wall(torch.device("cpu")):
         assert torch.tensor(1.0, device="cpu").item() == 1.0
+
+
+def test_the_count_takes_torchs_sync_warnings_and_shows_the_others(recwarn):
+    """What torch's "warn" mode says of each sync on a GPU (here said by hand: a CPU has no syncs) is
+    counted, every time, even where Python's filters would show a repeat once; other warnings still show."""
+    warnings.simplefilter("default")
+    with host_sync.counted() as seen:
+        for _ in range(3):
+            warnings.warn(f"{host_sync.SYNC_WARNING} (function copy_)", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert seen == [3]
+    assert [str(w.message) for w in recwarn] == ["something else"]
 
 
 def test_niced_ranks_get_one_line_that_names_the_fix():

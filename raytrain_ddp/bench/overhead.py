@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -36,6 +37,7 @@ from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.scale import steady
 from raytrain_ddp.driver.startup import LAUNCH_STAGES, RUN_STAGES, stages, stages_line
+from raytrain_ddp.worker import host_sync
 
 ARMS = ("hand loop", "raytrain")
 """The hand-written loop under torchrun, and `raytrain run` on a running Ray."""
@@ -100,6 +102,7 @@ def run_hand_loop(cfg: TrainConfig) -> dict[str, Any]:
         "wall_s": wall_s,
         "nice": nice.seen,
         "gpu_mib": result["gpu_mib"],
+        "syncs_per_step": result["syncs_per_step"],
     }
 
 
@@ -129,6 +132,7 @@ def run_launch(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str) 
         "wall_s": wall_s,
         "nice": nice.seen,
         "gpu_mib": result["gpu_mib"],
+        "syncs_per_step": result["syncs_per_step"],
     }
 
 
@@ -168,7 +172,17 @@ def run_raytrain(cfg: TrainConfig, env: dict[str, str], workdir: Path, name: str
         "wall_s": wall_s,
         "nice": nice.seen,
         "gpu_mib": max(float(r["gpu_mem_peak_mib"]) for r in rows) if cfg.gpu else None,
+        "syncs_per_step": syncs_per_step(workdir / name, rows, cfg.batch_size),
     }
+
+
+def syncs_per_step(run_dir: Path, rows: list[dict[str, str]], batch_size: int) -> float | None:
+    """Rank 0's host syncs (counted on a GPU, host_sync.COUNT_FILE) per training step of the run."""
+    counted = run_dir / host_sync.COUNT_FILE
+    if not counted.is_file():
+        return None
+    steps = sum(math.ceil(int(r["samples"]) / int(r["world_size"]) / batch_size) for r in rows)
+    return json.loads(counted.read_text())["syncs"] / steps
 
 
 class NiceWatch:
@@ -206,22 +220,25 @@ class NiceWatch:
 
 def report(results: dict[str, list[dict[str, Any]]]) -> str:
     """One regime's table: medians against the hand loop's, each arm's ranks' niceness, its peak GPU
-    memory (`-` on CPU) and each round's figures; then its start-up stages."""
+    memory and host syncs per training step (`-` on CPU) and each round's figures; then its start-up
+    stages."""
     keys = ("first_step_s", "samples_per_s", "wall_s")
     base = {key: statistics.median(r[key] for r in results["hand loop"]) for key in keys}
     lines = [
         f"{'arm':<10} {'first step s':>12} {'x hand loop':>11} {'samples/s':>10} {'x hand loop':>11} {'whole s':>8} "
-        f"{'x hand loop':>11} {'nice':>5} {'GPU MiB':>8}  rounds (first step s; samples/s)",
+        f"{'x hand loop':>11} {'nice':>5} {'GPU MiB':>8} {'syncs/step':>10}  rounds (first step s; samples/s)",
     ]
     for arm, runs in results.items():
         first, rate, wall = (statistics.median(r[key] for r in runs) for key in keys)
         nice = ",".join(str(n) for n in sorted({n for r in runs for n in r.get("nice", [])})) or "?"
         gpus = [r["gpu_mib"] for r in runs if r.get("gpu_mib") is not None]
         gpu = f"{statistics.median(gpus):.0f}" if gpus else "-"
+        counts = [r["syncs_per_step"] for r in runs if r.get("syncs_per_step") is not None]
+        syncs = f"{statistics.median(counts):.3f}" if counts else "-"
         each = " ".join(f"{r['first_step_s']:.1f}" for r in runs) + "; " + " ".join(f"{r['samples_per_s']:.1f}" for r in runs)
         lines.append(
             f"{arm:<10} {first:>12.1f} {first / base['first_step_s']:>11.2f} {rate:>10.1f} "
-            f"{rate / base['samples_per_s']:>11.3f} {wall:>8.1f} {wall / base['wall_s']:>11.2f} {nice:>5} {gpu:>8}  {each}"
+            f"{rate / base['samples_per_s']:>11.3f} {wall:>8.1f} {wall / base['wall_s']:>11.2f} {nice:>5} {gpu:>8} {syncs:>10}  {each}"
         )
     return "\n".join(lines) + "\n\n" + stages_table(results)
 
@@ -259,16 +276,16 @@ def bench_overhead(
         cfg, progress="none", address=None, cpus_per_worker=cfg.cpus_per_worker or 1, placement=cfg.placement or "pack"
     )
     tables = {}
+    # On a GPU both arms count their host syncs: torch's warn mode costs a flag test per sync.
+    counting = {host_sync.CHECK_ENV: "count"} if cfg.gpu else None
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as tmp, local_head(
-        num_cpus=cfg.workers * cfg.cpus_per_worker, num_gpus=cfg.workers if cfg.gpu else 0
+        num_cpus=cfg.workers * cfg.cpus_per_worker, extra_env=counting, num_gpus=cfg.workers if cfg.gpu else 0
     ) as head:
         workdir = Path(tmp)
         for name in regimes:
-            # Only the compute regime has a GPU form; the others measure the loader and the per-step
-            # bookkeeping, which live on the CPU.
+            # With --gpu every regime trains on the GPU; the compute regime's model is the GPU's own.
             regime = GPU_COMPUTE if cfg.gpu and name == "compute" else REGIMES[name]
-            run_cfg = regime_config(cfg if regime is GPU_COMPUTE else dataclasses.replace(cfg, gpu=False), regime,
-                                    overrides, workdir)
+            run_cfg = regime_config(cfg, regime, overrides, workdir)
             print(f"\n== {name}: {regime.what}; {run_cfg.workers} ranks, batch {run_cfg.batch_size} per rank, "
                   f"{run_cfg.epochs} epochs, {run_cfg.data_workers} loader workers\n{load_line('at the start')}", flush=True)
             results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}

@@ -5,16 +5,19 @@ then zero_grad / forward / backward / step. No raytrain data path: the data is t
 ImageFolder, or the user's own dataset function (bench/regimes.py), read whole. The same model,
 per-rank batch, threads, loader settings and SGD as raytrain's run of the regime; on GPU bf16
 autocast and channels_last as raytrain's loop uses. With one process, no DDP wrapper (as Ray
-Train's prepare_model).
+Train's prepare_model). With `strategy: fsdp`, FSDP2's fully_shard on the same blocks as raytrain's,
+computing in bf16 on a GPU.
 
     torchrun --standalone --nproc_per_node=2 -m raytrain_ddp.bench.torchrun_baseline '<TrainConfig JSON>'
 
 Rank 0 prints one JSON line: when the first optimizer step had completed, its start-up marks (named
-as raytrain's stages, startup.py), samples/s per epoch and, on a GPU, its peak GPU memory.
+as raytrain's stages, startup.py), samples/s per epoch and, on a GPU, its peak GPU memory and the
+host syncs its epochs made (counted as raytrain's are under RAYTRAIN_CHECK_HOST_SYNC=count).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +32,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from raytrain_ddp import plugins
 from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.worker import host_sync
 from raytrain_ddp.worker.models import model_builder
+from raytrain_ddp.worker.parallel import fsdp_blocks
 
 
 def train_set(cfg: TrainConfig) -> Dataset:
@@ -73,40 +78,50 @@ def main() -> None:
     marks["data"] = time.time()
 
     model = model_builder(cfg.model)(num_classes=cfg.num_classes, in_channels=dataset[0][0].shape[0]).to(device)
-    if cuda:
+    if cfg.strategy == "fsdp":  # fully_shard refuses channels_last weights
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        half = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda and cfg.amp else None
+        for block in [*fsdp_blocks(cfg.model, model), model]:
+            fully_shard(block, **({"mp_policy": half} if half else {}))
+    elif cuda:
         model = model.to(memory_format=torch.channels_last)
-    if world_size > 1:
+    if world_size > 1 and cfg.strategy != "fsdp":
         model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     amp = cuda and cfg.amp
     marks["model"] = time.time()
 
-    first_step_unix, throughputs = None, []
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)
-        model.train()
-        start, samples = time.perf_counter(), 0
-        for inputs, labels in loader:
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            if cuda and inputs.dim() == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                loss = F.cross_entropy(model(inputs), labels)
-            loss.backward()
-            optimizer.step()
-            if first_step_unix is None:
-                if cuda:
-                    torch.cuda.synchronize()  # the step has run, not just been queued
-                first_step_unix = time.time()
-            samples += len(labels)
-        if cuda:
-            torch.cuda.synchronize()
-        throughputs.append(samples * world_size / (time.perf_counter() - start))
+    first_step_unix, throughputs, steps = None, [], 0
+    counting = host_sync.counted() if cuda else contextlib.nullcontext([None])
+    with counting as syncs:
+        for epoch in range(cfg.epochs):
+            sampler.set_epoch(epoch)
+            model.train()
+            start, samples = time.perf_counter(), 0
+            for inputs, labels in loader:
+                inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+                if cuda and inputs.dim() == 4:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                    loss = F.cross_entropy(model(inputs), labels)
+                loss.backward()
+                optimizer.step()
+                if first_step_unix is None:
+                    if cuda:
+                        torch.cuda.synchronize()  # the step has run, not just been queued
+                    first_step_unix = time.time()
+                samples += len(labels)
+                steps += 1
+            if cuda:
+                torch.cuda.synchronize()
+            throughputs.append(samples * world_size / (time.perf_counter() - start))
     if rank == 0:  # rank 0's GPU stands for the others': the same model and batch
         gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
         print(json.dumps({"first_step_unix": first_step_unix, "marks": marks, "throughputs": throughputs,
-                          "gpu_mib": gpu_mib}))
+                          "gpu_mib": gpu_mib,
+                          "syncs_per_step": None if syncs[0] is None else syncs[0] / steps}))
     leave_group()
 
 

@@ -11,7 +11,9 @@ Anywhere else, with RAYTRAIN_CHECK_HOST_SYNC=1 in the ranks' environment, a sync
 - on a CPU, which has no syncs to catch, the calls that would be one on a GPU: a tensor read back to
   Python (`.item()`, `float(t)`, `bool(t)`), and a tensor made from Python data for a device
   (`torch.tensor(x, device=...)`, a blocking copy from pageable memory).
-Unset, both functions cost a flag test.
+Unset, both functions cost a flag test. With RAYTRAIN_CHECK_HOST_SYNC=count (`raytrain bench overhead
+--gpu`), nothing raises: every sync on a GPU, named or not, is counted (`syncs()`), through torch's
+"warn" mode.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -26,20 +29,32 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 CHECK_ENV = "RAYTRAIN_CHECK_HOST_SYNC"
-"""1 in the ranks' environment: a host sync outside the named points raises (tests/test_host_sync.py)."""
+"""1 in the ranks' environment: a host sync outside the named points raises (tests/test_host_sync.py);
+`count`: a GPU's syncs are counted instead (benchmarks)."""
+COUNT_FILE = "host_syncs.json"
+"""Under `count`, rank 0's syncs of the whole run, in the run's directory: {"syncs": N}."""
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What torch says of each sync under set_sync_debug_mode("warn")."""
 
 
 class HostSyncError(RuntimeError):
     """A host sync inside a training step."""
 
 
-_wall: dict[str, Any] = {"up": False, "cuda": False, "lifted": 0}
-"""Whether the wall stands, on which device, and how deep the named points that lift it are nested."""
+_wall: dict[str, Any] = {"up": False, "cuda": False, "lifted": 0, "syncs": None}
+"""Whether the wall stands, on which device, how deep the named points that lift it are nested, and
+the syncs counted in the last block run under `count`."""
 
 
 @contextlib.contextmanager
 def wall(device: torch.device) -> Iterator[None]:
     """Around the epochs: host syncs raise outside `allowed()`, when CHECK_ENV asks for it."""
+    _wall["syncs"] = None  # a Ray worker process may serve run after run
+    if os.environ.get(CHECK_ENV) == "count" and device.type == "cuda":
+        with counted() as seen:
+            yield
+        _wall["syncs"] = seen[0]
+        return
     if os.environ.get(CHECK_ENV) != "1":
         yield
         return
@@ -55,6 +70,37 @@ def wall(device: torch.device) -> Iterator[None]:
         if _wall["cuda"]:
             torch.cuda.set_sync_debug_mode("default")
         _wall["up"] = False
+
+
+def syncs() -> int | None:
+    """The host syncs of the last `wall` under CHECK_ENV=count on a GPU, named points included; else None."""
+    return _wall["syncs"]
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[list[int]]:
+    """[the syncs torch made on the GPU within the block], for a benchmark: torch warns of each one, and
+    those warnings are counted, not shown. Other warnings show as before."""
+    seen = [0]
+    with warnings.catch_warnings():  # puts showwarning and the filters back
+        warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+        show = warnings.showwarning
+
+        def count(message, *args, **kwargs):
+            if SYNC_WARNING in str(message):
+                seen[0] += 1
+            else:
+                show(message, *args, **kwargs)
+
+        warnings.showwarning = count
+        cuda = torch.cuda.is_available()  # a CPU has no syncs to count
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
 
 
 @contextlib.contextmanager
