@@ -2,9 +2,10 @@
 every kernel queued so far, so it can no longer run ahead of the GPU, and the step runs slower than
 the loop a user writes by hand.
 
-The pass's syncs are at the points the loop names with `allowed()`: the ranks' agreement
-(control.py), rank 0's progress update, a checkpoint, and the epoch's end; under fp16, also the loss
-scaler's overflow check in each optimizer step (torch's GradScaler reads it back; bf16 needs none).
+The wall stands during a training pass. Its syncs are at the points the loop names with
+`allowed()`: the ranks' agreement (control.py), rank 0's progress update and a checkpoint; under
+fp16, also the loss scaler's overflow check in each optimizer step (torch's GradScaler reads it back;
+bf16 needs none). The epoch's end (validation, its checkpoint) comes after the pass.
 Anywhere else, with RAYTRAIN_CHECK_HOST_SYNC=1 in the ranks' environment, a sync raises:
 - on a GPU, through torch.cuda.set_sync_debug_mode("error"): every sync torch makes (`.item()`, a
   blocking copy, a synchronize);
@@ -32,7 +33,7 @@ CHECK_ENV = "RAYTRAIN_CHECK_HOST_SYNC"
 """1 in the ranks' environment: a host sync outside the named points raises (tests/test_host_sync.py);
 `count`: a GPU's syncs are counted instead (benchmarks)."""
 COUNT_FILE = "host_syncs.json"
-"""Under `count`, rank 0's syncs of the whole run, in the run's directory: {"syncs": N}."""
+"""Under `count`, rank 0's syncs in its training passes, in the run's directory: {"syncs": N}."""
 SYNC_WARNING = "called a synchronizing CUDA operation"
 """What torch says of each sync under set_sync_debug_mode("warn")."""
 
@@ -43,17 +44,17 @@ class HostSyncError(RuntimeError):
 
 _wall: dict[str, Any] = {"up": False, "cuda": False, "lifted": 0, "syncs": None}
 """Whether the wall stands, on which device, how deep the named points that lift it are nested, and
-the syncs counted in the last block run under `count`."""
+the syncs counted so far under `count`."""
 
 
 @contextlib.contextmanager
 def wall(device: torch.device) -> Iterator[None]:
-    """Around the epochs: host syncs raise outside `allowed()`, when CHECK_ENV asks for it."""
-    _wall["syncs"] = None  # a Ray worker process may serve run after run
+    """Around a training pass: host syncs raise outside `allowed()`, when CHECK_ENV asks for it; or,
+    under `count` on a GPU, are added to `syncs()`."""
     if os.environ.get(CHECK_ENV) == "count" and device.type == "cuda":
         with counted() as seen:
             yield
-        _wall["syncs"] = seen[0]
+        _wall["syncs"] = (_wall["syncs"] or 0) + seen[0]
         return
     if os.environ.get(CHECK_ENV) != "1":
         yield
@@ -73,7 +74,8 @@ def wall(device: torch.device) -> Iterator[None]:
 
 
 def syncs() -> int | None:
-    """The host syncs of the last `wall` under CHECK_ENV=count on a GPU, named points included; else None."""
+    """The host syncs of this process's passes (`wall`) under CHECK_ENV=count on a GPU, named points
+    included (the agreement, the progress update, a checkpoint the pass makes); else None."""
     return _wall["syncs"]
 
 

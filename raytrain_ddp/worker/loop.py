@@ -152,18 +152,18 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
 
     # [5] Epochs: a pass of optimizer steps, then validation and the epoch's checkpoint.
     control = Control.new(rank, sink, amp_dtype, device)
-    with host_sync.wall(device):  # tests only: a host sync outside the named points raises
-        while state.epoch <= cfg.epochs:
-            # This epoch's order, the same on every rank, minus the samples already trained.
-            micro_steps = loaders.set_epoch(state.epoch, state.position)
-            model.train()
-            clock = Clock(counted=state.sums.clone())
-            if train_epoch(run, state, control, clock, micro_steps):
-                return  # the ranks agreed to stop: saved where that optimizer step ended
-            with host_sync.allowed():
-                if end_epoch(run, state, control, clock):
-                    return
-    if rank == 0 and host_sync.syncs() is not None:  # a benchmark counted them (bench/overhead.py)
+    while state.epoch <= cfg.epochs:
+        # This epoch's order, the same on every rank, minus the samples already trained.
+        micro_steps = loaders.set_epoch(state.epoch, state.position)
+        model.train()
+        clock = Clock(counted=state.sums.clone())
+        with host_sync.wall(device):  # tests only: a host sync outside the named points raises
+            stopped = train_epoch(run, state, control, clock, micro_steps)
+        if stopped:
+            return  # the ranks agreed to stop: saved where that optimizer step ended
+        if end_epoch(run, state, control, clock):
+            return
+    if rank == 0 and host_sync.syncs() is not None:  # a benchmark counted the passes' syncs (bench/overhead.py)
         (Path(cfg.storage_path) / cfg.name / host_sync.COUNT_FILE).write_text(json.dumps({"syncs": host_sync.syncs()}))
 
 
