@@ -52,6 +52,7 @@ def test_gpu_overhead_benchmark_runs_the_compute_regime_on_the_gpu():
         row = next(line for line in proc.stdout.splitlines() if line.startswith(arm) and "first step" not in line)
         cells = row[len(arm):].split()
         assert float(cells[2]) > 0 and float(cells[7]) > 0  # samples/s, peak GPU MiB (after whole s, x, nice)
+        assert float(cells[8]) >= 0  # host syncs per step: counted in both arms
 
 
 def test_launch_gives_each_rank_its_own_gpu_for_nccl(tmp_path):
