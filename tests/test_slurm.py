@@ -713,7 +713,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
 # Two trials of one 2-CPU worker: one per node, so the sweep spans both; the trials' actors are
 # on the head. Checkpoints every 4 steps, so the stop lands mid-epoch, soon after the signal.
 PREEMPT_SWEEP = ("raytrain", "sweep", "--trials", "1", "--workers", "1", "--cpus-per-worker", "2",
-                 "--epochs", "2", "--train-samples", "384", "--val-samples", "64", "--batch-size", "32",
+                 "--epochs", "2", "--train-samples", "768", "--val-samples", "64", "--batch-size", "32",
                  "--checkpoint-every-steps", "4", "--health", "off", "--data-workers", "0", "--progress", "plain")
 
 
@@ -725,11 +725,11 @@ def test_preempted_sweep_requeues_and_resumes_its_trials(lab: Lab) -> None:
                         sbatch_flags=("--nodes=2", "--requeue"))
     start = time.monotonic()
 
-    def mid_trial() -> bool:  # a trial with a checkpoint that has not finished
-        return any(list((sweep_dir / "trials" / t).glob("checkpoint_*"))
+    def mid_trial() -> bool:  # every trial with a checkpoint, none finished: both must resume after the requeue
+        return all(list((sweep_dir / "trials" / t).glob("checkpoint_*"))
                    and not (sweep_dir / "trials" / t / "summary.json").exists() for t in trials)
 
-    lab.wait_until(job_id, "a trial's checkpoint", mid_trial, timeout=240)
+    lab.wait_until(job_id, "every trial's checkpoint", mid_trial, timeout=240)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=lab.env, check=True)
     lab.wait_until(job_id, "requeue", lambda: lab.field(job_id, "Restarts") == "1", timeout=120)
     # As requeued jobs often do, it comes back on other nodes, with another head: n2 and the spare n3.
