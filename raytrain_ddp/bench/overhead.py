@@ -238,7 +238,8 @@ def report(results: dict[str, list[dict[str, Any]]]) -> str:
         each = " ".join(f"{r['first_step_s']:.1f}" for r in runs) + "; " + " ".join(f"{r['samples_per_s']:.1f}" for r in runs)
         lines.append(
             f"{arm:<10} {first:>12.1f} {first / base['first_step_s']:>11.2f} {rate:>10.1f} "
-            f"{rate / base['samples_per_s']:>11.3f} {wall:>8.1f} {wall / base['wall_s']:>11.2f} {nice:>5} {gpu:>8} {syncs:>10}  {each}"
+            f"{rate / base['samples_per_s']:>11.3f} {wall:>8.1f} {wall / base['wall_s']:>11.2f} {nice:>5} {gpu:>8} "
+            f"{syncs:>10}  {each}"
         )
     return "\n".join(lines) + "\n\n" + stages_table(results)
 

@@ -81,9 +81,9 @@ def main() -> None:
     if cfg.strategy == "fsdp":  # fully_shard refuses channels_last weights
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        half = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda and cfg.amp else None
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in [*fsdp_blocks(cfg.model, model), model]:
-            fully_shard(block, **({"mp_policy": half} if half else {}))
+            fully_shard(block, **({"mp_policy": bf16} if cuda and cfg.amp else {}))
     elif cuda:
         model = model.to(memory_format=torch.channels_last)
     if world_size > 1 and cfg.strategy != "fsdp":

@@ -50,8 +50,9 @@ def all_reduce_means(sums: torch.Tensor) -> tuple[float, float, float]:
 def epoch_resources(
     cuda: bool, data_wait: float, train_time: float, skipped: int, world_size: int, device, state_mib: float,
 ) -> tuple:
-    """(peak RSS MiB, the epoch's peak GPU MiB or None) as the max over ranks, the mean data-wait share, the
-    unreadable samples skipped (--skip-bad) summed over ranks, and the largest rank's model state."""
+    """(peak RSS MiB, the epoch's peak GPU MiB or None) as the max over ranks, the mean data-wait
+    share, the unreadable samples skipped (--skip-bad) summed over ranks, and the largest rank's
+    model state."""
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0
     if cuda:  # each row its own epoch's: the first one's holds cuDNN's one-time algorithm search (cudnn.benchmark)
