@@ -422,14 +422,17 @@ cmd_wait() {
         die "the head's GCS at $RAY_HEAD_ADDRESS did not accept connections within ${RAY_JOIN_TIMEOUT}s"
     export_auth_env
     # Polls Ray's own view of the cluster. The outer timeout is a backstop in
-    # case connecting itself hangs.
+    # case connecting itself hangs. The poll gets what is left of the budget, and
+    # its error names the budget the user set, not what was left of it.
     timeout $((RAY_JOIN_TIMEOUT + 30)) "$RAY_PYTHON" - "$RAY_HEAD_ADDRESS" "$RAY_EXPECTED_NODES" \
-        $((RAY_JOIN_TIMEOUT - (SECONDS - start))) "ray_node[$ROLE@$RAY_NODE_NAME]" <<'PY'
+        "$RAY_JOIN_TIMEOUT" $((RAY_JOIN_TIMEOUT - (SECONDS - start))) \
+        "ray_node[$ROLE@$RAY_NODE_NAME]" <<'PY'
 import sys, time, logging
 import ray
 
-address, expected, timeout_s, prefix = sys.argv[1], sys.argv[2].split(), float(sys.argv[3]), sys.argv[4]
-deadline = time.monotonic() + max(timeout_s, 1.0)
+address, expected, timeout_s, left_s, prefix = (
+    sys.argv[1], sys.argv[2].split(), sys.argv[3], float(sys.argv[4]), sys.argv[5])
+deadline = time.monotonic() + max(left_s, 1.0)
 
 def fail(message):
     print(f"{prefix}: ERROR: {message}", file=sys.stderr)
@@ -454,7 +457,7 @@ while True:
         print(f"{prefix}: all {len(alive)} nodes joined: {' '.join(alive)}", file=sys.stderr)
         sys.exit(0)
     if time.monotonic() >= deadline:
-        fail(f"node(s) did not join within {timeout_s:.0f}s: {' '.join(missing)}"
+        fail(f"node(s) did not join within {timeout_s}s: {' '.join(missing)}"
              f" (joined: {' '.join(alive) or 'none'})")
     time.sleep(1)
 PY
