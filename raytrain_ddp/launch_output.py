@@ -54,9 +54,24 @@ def _block_end(lines: list[str], start: int) -> int:
     i = _frames_end(lines, start)
     end = i + 1
     while end < min(len(lines), i + 1 + MOST_MESSAGE_LINES) and lines[end].strip() and \
-            not lines[end].startswith(("[", TRACEBACK)) and lines[end] not in CHAINED:
+            not lines[end].startswith(("[", TRACEBACK, "terminate called ")) and lines[end] not in CHAINED:
         end += 1
     return min(end, len(lines))
+
+
+_EXIT_NOISE = re.compile(r"^\[[WEIF]\d{4} |^terminate called |^\s*$")
+"""What an interpreter's exit may print after an uncaught exception's traceback: torch's C++ log
+lines (`[W1127 14:55:01.12 ... ProcessGroupNCCL.cpp:...] Warning: ...`), libstdc++'s `terminate
+called ...` before a teardown abort, blank lines."""
+
+
+def ended_on_traceback(lines: list[str]) -> bool:
+    """Whether a rank's stderr ends on a Python traceback, with only exit noise after it: its script
+    ended on an uncaught exception, whatever its teardown did next (a traceback it printed and
+    went on from has the script's own lines after it)."""
+    lines = [unmark(line.rstrip("\n")) for line in lines]
+    starts = [i for i, line in enumerate(lines) if line == TRACEBACK]
+    return bool(starts) and all(_EXIT_NOISE.match(line) for line in lines[_block_end(lines, starts[-1]):])
 
 
 def last_traceback(lines: list[str]) -> ScriptError | None:

@@ -47,6 +47,9 @@ class RankExit:
     """Stopped because a peer failed or the group resized: its code is no failure of its own."""
     ran: bool = True
     """Its script started: False for a rank stopped before it did."""
+    raised: bool = False
+    """Its script ended on an uncaught exception (torch's `@record` file, or a traceback last on its
+    stderr), whatever its interpreter's teardown did after."""
 
     @property
     def failed(self) -> bool:
@@ -54,13 +57,27 @@ class RankExit:
         return self.code != 0 and not self.aborted
 
     @property
-    def teardown_abort(self) -> bool:
-        """SIGABRT right after libstdc++'s `terminate called without an active exception`: how torch's
-        threads can end an interpreter's teardown, after the script's last line."""
+    def _aborted_in_teardown(self) -> bool:
         return self.code == -signal.SIGABRT and self.last_line == TEARDOWN_ABORT
 
+    @property
+    def teardown_abort(self) -> bool:
+        """SIGABRT right after libstdc++'s `terminate called without an active exception`, after a
+        script that did not raise: how torch's threads can end an interpreter's teardown, after the
+        script's last line."""
+        return self._aborted_in_teardown and not self.raised
+
+    @property
+    def status(self) -> int:
+        """The script's exit status, as a shell would report it: 1, as Python's, for an uncaught
+        exception that torch's teardown then ended with SIGABRT (the abort is not the script's)."""
+        return 1 if self._aborted_in_teardown and self.raised else exit_status(self.code)
+
     def describe(self) -> str:
-        """`exited with status 3: <its last line>`, as the driver's lines say it."""
+        """`exited with status 3: <its last line>`, as the driver's lines say it; `raised <exception>`
+        for a script whose teardown aborted after it raised, since the abort's line says nothing."""
+        if self._aborted_in_teardown and self.raised and self.error and self.error.message:
+            return f"raised {self.error.message}; torch's teardown then aborted it (SIGABRT)"
         return f"exited with {describe_exit(self.code)}" + (f": {self.last_line}" if self.last_line else "")
 
 

@@ -15,7 +15,7 @@ from conftest import REPO
 
 from raytrain_ddp.driver.hub import TEARDOWN_WAIT_S, Attempt
 from raytrain_ddp.launch_output import mark
-from raytrain_ddp.launch_records import TEARDOWN_ABORT, RankExit, StopReason, exit_status
+from raytrain_ddp.launch_records import TEARDOWN_ABORT, RankExit, ScriptError, StopReason, exit_status
 from raytrain_ddp.worker.agent import child_env, torchrun_env
 from raytrain_ddp.worker.supervisor import Stopper, pump
 
@@ -112,6 +112,23 @@ def test_a_teardown_abort_fails_when_a_peer_failed_or_did_not_exit_in_time():
     alone = Attempt(1, world_size=1)  # no peer to vouch that its training ended
     alone.exits[0], alone.arrived[0] = ended(0, -signal.SIGABRT, TEARDOWN_ABORT), time.monotonic()
     assert alone.failed_first() == 0
+
+
+def test_a_teardown_abort_after_an_uncaught_exception_is_the_exceptions_failure():
+    """Both ranks raised, then both aborted in teardown, as gloo's threads can: neither vouches for
+    the other, and the run fails with the exception's status 1 and its message."""
+    error = ScriptError("RuntimeError: rank 1 failed", "Traceback (most recent call last):")
+    attempt = Attempt(1, world_size=2)
+    for rank, at in ((1, 1.0), (0, 2.0)):
+        attempt.exits[rank] = RankExit(rank, -signal.SIGABRT, "n1", "10.0.0.1", TEARDOWN_ABORT, error,
+                                       ended_at=at, aborted=False, raised=True)
+        attempt.arrived[rank] = time.monotonic()
+    assert not attempt.excused(0) and not attempt.excused(1) and attempt.failed_first() == 1
+    first = attempt.exits[1]
+    assert first.status == 1 and first.describe() == (
+        "raised RuntimeError: rank 1 failed; torch's teardown then aborted it (SIGABRT)")
+    clean = ended(0, -signal.SIGABRT, TEARDOWN_ABORT)
+    assert clean.teardown_abort and clean.status == 134
 
 
 def test_the_rank_that_failed_first_is_the_one_that_ended_first():

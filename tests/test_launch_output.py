@@ -3,7 +3,7 @@ file, and the last traceback a rank printed, found without torch's `@record`."""
 
 from __future__ import annotations
 
-from raytrain_ddp.launch_output import last_traceback, mark, settled, unmark
+from raytrain_ddp.launch_output import ended_on_traceback, last_traceback, mark, settled, unmark
 
 # What torch's excepthook prints once a process group exists: every line marked, blank lines bare.
 RAISED = """\
@@ -40,6 +40,18 @@ def test_the_last_traceback_is_the_root_cause_without_its_rank_marks():
     assert error.traceback.splitlines()[-1] == "RuntimeError: rank 1 failed at step 5"  # not the warning after it
     assert "[rank1]" not in error.traceback and '  File "/tmp/train.py", line 32, in check_step' in error.traceback
     assert last_traceback(["epoch 0", "done"]) is None
+
+
+def test_a_script_that_raised_is_told_from_one_that_printed_a_traceback_and_went_on():
+    aborted = [*RAISED.splitlines(), "", "terminate called without an active exception"]
+    assert ended_on_traceback(RAISED.splitlines()) and ended_on_traceback(aborted)
+    assert last_traceback(aborted).traceback.splitlines()[-1] == "RuntimeError: rank 1 failed at step 5"
+    right_after = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>', "KeyError: 'k'",
+                   "terminate called without an active exception"]  # no blank line before libstdc++'s
+    assert ended_on_traceback(right_after) and last_traceback(right_after).traceback.endswith("KeyError: 'k'")
+    went_on = [*RAISED.splitlines(), "retrying from the last checkpoint", "terminate called without an active exception"]
+    assert not ended_on_traceback(went_on)
+    assert not ended_on_traceback(["epoch 0", "terminate called without an active exception"])
 
 
 def test_a_chained_exception_keeps_its_chain_and_an_earlier_unrelated_one_is_left_out():

@@ -275,7 +275,7 @@ def judge(outcome: LaunchOutcome, error: BaseException | None, received: list[st
         if not told:
             tell_end(exits, first, outcome.excused)
         say(f"error: rank {first} on {failed.hostname} ({failed.ip}) {failed.describe()}")
-        return exit_status(failed.code) or EXIT_FAILED
+        return failed.status or EXIT_FAILED
     if error is not None:
         raise error  # not the script: Ray itself failed (a lost node, no resources); cli says it in one line
     if not told:

@@ -111,11 +111,12 @@ def whereabouts(ctx: Any, rank: int) -> dict[str, Any]:
 
 
 def report_exit(hub: Any, key: str, rank: int, code: int, ended_at: float, aborted: bool,
-                last_line: str = "", error: ScriptError | None = None, ran: bool = True) -> RankExit:
+                last_line: str = "", error: ScriptError | None = None, ran: bool = True,
+                raised: bool = False) -> RankExit:
     """Tell the hub how this rank's script ended; code 0 and not `ran` for one stopped before it started."""
     end = RankExit(
         rank=rank, code=code, hostname=socket.gethostname(), ip=ray.util.get_node_ip_address(),
-        last_line=last_line, error=error, ended_at=ended_at, aborted=aborted, ran=ran,
+        last_line=last_line, error=error, ended_at=ended_at, aborted=aborted, ran=ran, raised=raised,
     )
     ray.get(hub.exited.remote(key, end))
     return end
@@ -172,9 +173,9 @@ def run_script(loop_config: dict[str, Any]) -> None:
     # [4] Report. A failure of our own raises, so Ray Train restarts the group (--max-failures).
     reason = child.stopper.reason
     aborted = reason is not None and reason.cause != "signal"
-    error = child.error(error_file) if code != 0 else None
+    error, raised = child.error(error_file) if code != 0 else (None, False)
     shutil.rmtree(error_dir, ignore_errors=True)
-    report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error)
+    report_exit(hub, key, rank, code, child.ended_at, aborted, child.last_line(), error, raised=raised)
     # A failed rank waits (boundedly) for its peers' exits before it raises: raising now would have Ray
     # Train kill them mid-exit, before their agents say how they ended (the knock-on lines), or, for
     # a teardown abort that fails nothing once they all exit 0 (hub.py's Attempt.excused), mid-teardown.

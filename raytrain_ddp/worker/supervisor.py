@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_ddp.launch_output import last_traceback, settled, unmark
+from raytrain_ddp.launch_output import ended_on_traceback, last_traceback, settled, unmark
 from raytrain_ddp.launch_records import ScriptError, StopReason
 
 PEER_FAILED_GRACE_S = 10.0
@@ -180,7 +180,11 @@ class Child:
         """Its last non-blank line, stderr's before stdout's."""
         return self.last["stderr"] or self.last["stdout"]
 
-    def error(self, error_file: str) -> ScriptError | None:
-        """Why it failed: what torch's `@record` wrote, else the last traceback it printed."""
+    def error(self, error_file: str) -> tuple[ScriptError | None, bool]:
+        """Why it failed, and whether it ended on an uncaught exception: what torch's `@record` wrote
+        (it did), else the last traceback it printed (it did if only exit noise came after it)."""
         with self.lock:
-            return read_error_file(error_file) or last_traceback(list(self.tail))
+            if recorded := read_error_file(error_file):
+                return recorded, True
+            tail = list(self.tail)
+            return last_traceback(tail), ended_on_traceback(tail)

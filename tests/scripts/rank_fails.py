@@ -5,8 +5,8 @@ knows about Ray.
 
 Each rank trains a few steps of DDP on gloo, with a `\\r` progress line. Knobs: --fail-rank R raises
 a RuntimeError at step --fail-step, so its peers fail in their next collective;
---abort-at-exit R prints its end, then dies as torch's teardown sometimes does (SIGABRT after
-`terminate called without an active exception`).
+--abort-at-exit R [R ...] end, raised or not, by dying as torch's teardown sometimes does (SIGABRT
+after `terminate called without an active exception`).
 """
 
 import argparse
@@ -23,7 +23,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--fail-step", type=int, default=5)
-parser.add_argument("--abort-at-exit", type=int, default=-1)
+parser.add_argument("--abort-at-exit", type=int, nargs="+", default=[])
 args = parser.parse_args()
 
 
@@ -41,7 +41,7 @@ def abort_in_teardown():
 
 dist.init_process_group("gloo")  # env://, as under torchrun
 rank = dist.get_rank()
-if rank == args.abort_at_exit:
+if rank in args.abort_at_exit:
     atexit.register(abort_in_teardown)
 torch.manual_seed(0)
 model = DistributedDataParallel(nn.Linear(4, 1))
