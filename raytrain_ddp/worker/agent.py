@@ -168,7 +168,16 @@ def run_script(loop_config: dict[str, Any]) -> None:
     threading.Thread(target=listen, args=(hub, key, child), daemon=True).start()
 
     # [3] Watch it: pass its output on; SIGKILL it if a stop's grace ran out.
-    code = child.supervise(lambda batch: hub.output.remote(rank, batch), POLL_S)
+    sent: list[Any] = []  # the hub's calls for output not yet known done
+
+    def send(batch: list[tuple[str, str]]) -> None:
+        pending = ray.wait(sent, num_returns=len(sent), timeout=0)[1] if sent else []
+        sent[:] = [*pending, hub.output.remote(rank, batch)]
+
+    code = child.supervise(send, POLL_S)
+    # The hub is an async actor, which need not run one caller's calls in order: its last lines
+    # must land before its exit does, or the driver tells the attempt's end before its tracebacks.
+    ray.get(sent)
 
     # [4] Report. A failure of our own raises, so Ray Train restarts the group (--max-failures).
     reason = child.stopper.reason
