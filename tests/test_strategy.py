@@ -156,11 +156,23 @@ def one_after_another(rank: int, calls: list[tuple]) -> list:
     return [target(rank, *args) for target, args in calls]
 
 
+def sharded_after_forward(rank: int, cfg: TrainConfig) -> dict[str, bool]:
+    """Which of the model's parameters are sharded (DTensors) between a forward and its backward."""
+    from torch.distributed.tensor import DTensor
+
+    model = wrapped(cfg)
+    loss = model(batches(1, 8)[0][0]).sum()
+    sharded = {name: isinstance(p, DTensor) for name, p in model.named_parameters()}
+    loss.backward()
+    return sharded
+
+
 @pytest.fixture(scope="module")
 def shared_group() -> list:
     """The checks that need no group of their own, on one: starting two processes with torch costs seconds."""
     configs = {"ddp": config(**ADAMW)} | {s: config(**ADAMW, strategy="fsdp", sharding=s) for s in ("full", "grad-op", "hybrid")}
-    return run_ranks(one_after_another, [(train_each_way, (configs,)), (overflow_on_rank_1, (config(strategy="fsdp"),))])
+    return run_ranks(one_after_another, [(train_each_way, (configs,)), (overflow_on_rank_1, (config(strategy="fsdp"),)),
+                                         (sharded_after_forward, (config(strategy="fsdp"),))])
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +180,14 @@ def each_way(shared_group) -> dict[str, tuple[list[float], dict, float]]:
     """DDP and the three FSDP shardings, the same seed, data and AdamW steps. hybrid here is 2
     replicas of 1 shard (local_world_size 1): its all-reduce across replicas is what is tested."""
     return shared_group[0]
+
+
+def test_after_forward_the_blocks_are_resharded_and_the_root_stays_whole_for_backward(shared_group):
+    """Full sharding: each block frees its gathered parameters after its forward. The root's own
+    (the head) are needed first in backward: resharded, they would be all-gathered twice a step."""
+    sharded = shared_group[2]
+    assert sharded == {"blocks.0.0.weight": True, "blocks.0.0.bias": True, "blocks.1.0.weight": True,
+                       "blocks.1.0.bias": True, "head.weight": False, "head.bias": False}, sharded
 
 
 @pytest.mark.parametrize("sharding", ["full", "grad-op", "hybrid"])

@@ -124,14 +124,14 @@ def wrap_fsdp(cfg: TrainConfig, model: nn.Module, accum: int, device: torch.devi
     if device.type == "cuda" and cfg.amp:
         half = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
         precision = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-    options = {
-        "mesh": mesh(cfg, device, local_world_size),
-        "mp_policy": precision,
-        "reshard_after_forward": cfg.sharding != "grad-op",  # grad-op keeps full parameters until backward
-    }
+    options = {"mesh": mesh(cfg, device, local_world_size), "mp_policy": precision}
     for block in [*fsdp_blocks(cfg.model, model), model]:
-        fully_shard(block, **options)
-        block.raytrain_reshard_after_forward = options["reshard_after_forward"]  # for whole_model to restore
+        # grad-op keeps full parameters until backward. The root's are needed first in backward, so
+        # resharding them after forward would all-gather them twice a step: the root stays whole in
+        # between, for a little memory, as torch's own default (None) has it in the releases that have one.
+        reshard = cfg.sharding != "grad-op" and block is not model
+        fully_shard(block, **options, reshard_after_forward=reshard)
+        block.raytrain_reshard_after_forward = reshard  # for whole_model to restore
     return model
 
 
