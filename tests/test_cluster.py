@@ -82,6 +82,18 @@ def test_what_another_job_holds_is_named_with_the_fix():
     assert "3 CPUs are held by other jobs' tasks or actors on 192.0.2.2; wait longer than --wait-for-resources 30," in problem
 
 
+def test_the_job_that_made_a_holding_group_is_named_and_whether_it_has_ended():
+    nodes = [node("192.0.2.2", {"CPU": 4.0}, {"CPU": 0.0}), node("192.0.2.3", {"CPU": 4.0}, {"CPU": 0.0})]
+    held = [{**group(({"CPU": 4.0}, "192.0.2.2")), "creator": "job 05000000, which has ended"},
+            {**group(({"CPU": 2.0}, "192.0.2.3")), "creator": "job 07000000"},
+            {**group(({"CPU": 2.0}, "192.0.2.3")), "creator": "job 07000000"}]
+    assert busy_problem(1, 1, False, nodes, held) == (
+        "asked for 1 worker x 1 CPU; the cluster has them, but no CPU is free now: 8 CPUs are held by 3 placement "
+        "groups (job 05000000, which has ended; job 07000000) on 192.0.2.2, 192.0.2.3; "
+        "wait with --wait-for-resources SECONDS"
+    )
+
+
 def test_free_cpus_count_per_node_and_each_holder_is_named():
     nodes = [node("192.0.2.2", {"CPU": 4.0}, {"CPU": 1.0}), node("192.0.2.3", {"CPU": 4.0}, {"CPU": 1.0})]
     # 2 CPUs are free, but not on one node: no 2-CPU worker fits.
@@ -145,9 +157,9 @@ def test_a_request_the_cluster_has_but_another_job_holds_fails_in_seconds_or_wai
         refused = raytrain(*args, "--name", "refused", env=ray_head.env, timeout=60)
         assert refused.returncode == 2, refused.stderr[-3000:]
         [line] = refused.stderr.strip().splitlines()
-        assert line.startswith(
-            "error: asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held "
-            "by 1 placement group (another job or run) on "), line
+        assert re.match(  # the holder's job, as `ray list jobs` names it
+            r"error: asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held "
+            r"by 1 placement group \(job [0-9a-f]{8}\) on ", line), line
         assert line.endswith("; wait with --wait-for-resources SECONDS, or lower --workers to 1"), line
         assert "workers ->" not in refused.stdout  # no worker was asked for
 

@@ -98,7 +98,8 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
 
     `nodes`: each live node as {"id", "ip", "total", "free"} (Ray resources dicts), or one record for
     the whole cluster (id and ip "") where Ray tells no more; `groups`: the values of
-    ray.util.placement_group_table(). `max_workers`: an elastic run's MAX (it starts at `workers`);
+    ray.util.placement_group_table(), each with its "creator" in words where known (placement_groups).
+    `max_workers`: an elastic run's MAX (it starts at `workers`);
     `waited`: the seconds of --wait-for-resources already spent."""
     fits = room(cpus_per_worker, gpu, [n["free"] for n in nodes])
     if fits >= workers:
@@ -109,7 +110,7 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
     # A placement group holds its bundles from its creation to its removal, used or not: another
     # Ray Train run's workers, or a job that reserved them. Ours has none yet: preflight comes first.
     grouped: dict[str, float] = {}
-    holders = 0
+    holders, creators = 0, set()
     for group in groups:
         if group.get("state") != "CREATED":
             continue
@@ -117,6 +118,8 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
         here = [(placed.get(i), bundle.get(kind, 0)) for i, bundle in group.get("bundles", {}).items()]
         here = [(node, n) for node, n in here if node and n]
         holders += bool(here)
+        if here:
+            creators.add(group.get("creator") or "another job or run")
         for node, n in here:
             grouped[node] = grouped.get(node, 0) + n
     # The rest of what is held, tasks and actors hold outside any placement group.
@@ -138,7 +141,8 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
     who = []
     if in_groups := min(sum(grouped.values()), sum(held.values())):
         plural = "s" if holders != 1 else ""
-        who.append(f"{is_held(in_groups)} by {holders} placement group{plural} (another job or run){where(list(grouped))}")
+        made = "; ".join(sorted(creators))  # the job of each: one that has ended should have freed it
+        who.append(f"{is_held(in_groups)} by {holders} placement group{plural} ({made}){where(list(grouped))}")
     if n := sum(loose.values()):
         who.append(f"{f'{n:g}' if who else is_held(n)} by other jobs' tasks or actors{where(list(loose))}")
     free = sum(n["free"].get(kind, 0) for n in nodes)
@@ -194,10 +198,14 @@ def node_use(settle_s: float = 0.0) -> list[dict]:
 
 
 def placement_groups() -> list[dict]:
-    """Every placement group of the cluster, as ray.util.placement_group_table() lists it."""
+    """Every placement group of the cluster, as ray.util.placement_group_table() lists it, with who
+    made it ("creator", in words) where the GCS's records tell."""
     import ray
 
-    return list(ray.util.placement_group_table().values())
+    from raytrain_ddp.ray_compat.state import placement_group_creators
+
+    creators = placement_group_creators()
+    return [{**group, "creator": creators.get(hex_id)} for hex_id, group in ray.util.placement_group_table().items()]
 
 
 GPU_MEMORY_GIB = {

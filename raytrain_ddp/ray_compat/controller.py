@@ -122,20 +122,16 @@ def groups_of_dead_controllers() -> list[str] | None:
     records cannot be read. Never another job's groups."""
     import ray
 
-    try:
-        from ray._private.state import state
-        from ray.core.generated.gcs_pb2 import PlacementGroupTableData
-    except ImportError:
-        return None
+    from raytrain_ddp.ray_compat.state import placement_group_records
+
     job = ray.get_runtime_context().get_job_id()  # first: once Ray is shut down, asking would connect again
-    try:
-        table = state._connect_and_get_accessor().get_placement_group_table()
-    except AttributeError:
+    if (records := placement_group_records()) is None:
         return None
+    from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+
     driver = ray.ActorID.nil().binary()  # the creator of the driver's own groups, "dead" from the start
     found = []
-    for raw in table:
-        group = PlacementGroupTableData.FromString(raw)
+    for group in records:
         if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and group.creator_actor_dead
                 and not group.is_detached and group.state != PlacementGroupTableData.REMOVED):
             found.append(group.placement_group_id.hex())

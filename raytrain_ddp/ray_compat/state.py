@@ -30,6 +30,39 @@ def lost_and_draining_nodes() -> tuple[set[str], set[str]]:
     return dead, set(state.get_draining_nodes())
 
 
+def placement_group_records() -> list[Any] | None:
+    """The GCS's record of every placement group (gcs_pb2.PlacementGroupTableData: who created it,
+    whether that job and actor are dead), which ray.util.placement_group_table() leaves out; None
+    where this Ray's cannot be read."""
+    try:
+        from ray._private.state import state
+        from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+    except ImportError:
+        return None
+    try:
+        table = state._connect_and_get_accessor().get_placement_group_table()
+    except AttributeError:
+        return None
+    return [PlacementGroupTableData.FromString(raw) for raw in table]
+
+
+def placement_group_creators() -> dict[str, str]:
+    """Who made each placement group, in words, by its hex id: `job 05000000`, with `, which has
+    ended` once that job has (a group that outlived it) and `, detached`; empty where the GCS's
+    records cannot be read."""
+    try:
+        records = placement_group_records() or []
+        said = {}
+        for group in records:
+            ended = ", which has ended" if group.creator_job_dead else ""
+            said[group.placement_group_id.hex()] = (f"job {group.creator_job_id.hex()}{ended}"
+                                                    + (", detached" if group.is_detached else ""))
+        return said
+    except Exception as err:  # a Ray whose records differ: the error names no job then
+        logger.debug("placement group creators unreadable: %s", err)
+        return {}
+
+
 def token_auth_enabled() -> bool:
     """Whether this process talks to Ray with a token (Ray's own switch)."""
     try:
