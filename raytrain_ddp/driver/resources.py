@@ -205,7 +205,8 @@ def placement_groups() -> list[dict]:
     from raytrain_ddp.ray_compat.state import placement_group_creators
 
     creators = placement_group_creators()
-    return [{**group, "creator": creators.get(hex_id)} for hex_id, group in ray.util.placement_group_table().items()]
+    table = ray.util.placement_group_table()
+    return [{**group, "creator": creators.get(hex_id)} for hex_id, group in table.items()]
 
 
 GPU_MEMORY_GIB = {

@@ -15,8 +15,8 @@ the name, never every command.
   AutoscalingCoordinator on a cluster that cannot scale.
 - `callbacks`: a hook in Ray Train's controller before it resizes a worker group.
 - `state`: what the GCS knows that Ray has no public call for (draining nodes, token auth, the
-  cluster's Ray version, a local GPU's memory, who made each placement group), and token auth turned on in a process that
-  imported Ray already (`use_token_auth`).
+  cluster's Ray version, a local GPU's memory, who made each placement group), and token auth
+  turned on in a process that imported Ray already (`use_token_auth`).
 - `snapshot`: which Ray release Ray Train's run snapshot says wrote it, so a resume knows when
   Ray would refuse the snapshot and our own checkpoint files must serve instead.
 
