@@ -68,15 +68,20 @@ class RankExit:
         return self._aborted_in_teardown and not self.raised
 
     @property
+    def _raised_then_aborted(self) -> bool:
+        """An uncaught exception, then that teardown abort: the exception is the script's end."""
+        return self._aborted_in_teardown and self.raised
+
+    @property
     def status(self) -> int:
         """The script's exit status, as a shell would report it: 1, as Python's, for an uncaught
         exception that torch's teardown then ended with SIGABRT (the abort is not the script's)."""
-        return 1 if self._aborted_in_teardown and self.raised else exit_status(self.code)
+        return 1 if self._raised_then_aborted else exit_status(self.code)
 
     def describe(self) -> str:
         """`exited with status 3: <its last line>`, as the driver's lines say it; `raised <exception>`
         for a script whose teardown aborted after it raised, since the abort's line says nothing."""
-        if self._aborted_in_teardown and self.raised and self.error and self.error.message:
+        if self._raised_then_aborted and self.error and self.error.message:
             return f"raised {self.error.message}; torch's teardown then aborted it (SIGABRT)"
         return f"exited with {describe_exit(self.code)}" + (f": {self.last_line}" if self.last_line else "")
 
