@@ -191,3 +191,13 @@ def test_plots_of_trials_without_rows(records, tmp_path):
         plot_parallel(tmp_path / "parallel.png", chosen, "val_acc", "max")
         for name in ("curves.png", "parallel.png"):
             assert (tmp_path / name).read_bytes().startswith(PNG)
+
+
+def test_a_trial_whose_only_checkpoint_is_half_written_reports_none(tmp_path):
+    """A trial stopped while its first checkpoint was written: the table shows no checkpoint, where
+    the resume's ConfigError would have cost the whole sweep its report."""
+    from raytrain_ddp.driver.sweep import trial_checkpoint
+
+    (tmp_path / "t0" / "checkpoint_2026-11-27_18-01-48.798400").mkdir(parents=True)
+    assert trial_checkpoint(tmp_path / "t0") is None
+    assert trial_checkpoint(tmp_path / "never-started") is None

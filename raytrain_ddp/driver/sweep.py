@@ -344,10 +344,21 @@ def rungs(sc: SweepConfig, epochs: int) -> list[int]:
     return out
 
 
+def trial_checkpoint(run_dir: Path) -> Path | None:
+    """The trial's newest whole checkpoint, for the table; None where it has none yet, or none whole
+    (one stopped while its first checkpoint was written): the trial's own rerun says why, and one
+    trial's files must not cost the sweep its report."""
+    from raytrain_ddp.checkpoint.files import latest_checkpoint
+
+    try:
+        return latest_checkpoint(run_dir) if run_dir.exists() else None
+    except ConfigError:
+        return None
+
+
 def report(trials: list[Trial], sc: SweepConfig, sweep_dir: Path, run_args: list[str], slots: int,
            began: float, ended: float, rung_epochs: list[int]) -> dict[str, Any]:
     """The table, results.csv, summary.json and the plots, from every trial's files."""
-    from raytrain_ddp.checkpoint.files import latest_checkpoint
     from raytrain_ddp.driver import sweep_report as out
     from raytrain_ddp.driver.sweep_lines import read_outcome
 
@@ -362,7 +373,7 @@ def report(trials: list[Trial], sc: SweepConfig, sweep_dir: Path, run_args: list
             rows = [row for row in rows if int(row["epoch"]) <= cuts[trial.id]]
         said = outcome.get("status") if outcome.get("status") in ("finished", "failed") else None
         status = statuses.get(trial.id) or said or ("stopped" if outcome else "pending")
-        checkpoint = latest_checkpoint(run_dir) if run_dir.exists() else None
+        checkpoint = trial_checkpoint(run_dir)
         records.append(out.TrialRecord(
             trial=trial.id, params=trial.params, status=status, rows=rows, workers=trial.cfg.workers,
             started=outcome.get("started"), ended=outcome.get("ended"),
