@@ -11,7 +11,9 @@ the rest, and each worker that needs the shared head starts its own.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,10 +45,77 @@ def model_shapes_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+SHARED: list[Head] = []
+"""The shared head once a test asked for it: head_left_free looks at it after each file."""
+
+
 @pytest.fixture(scope="session")
 def ray_head() -> Head:
     with local_head(num_cpus=HEAD_CPUS) as head:
+        SHARED.append(head)
         yield head
+        SHARED.clear()
+
+
+HELD_AFTER = """
+import json, sys, time
+import ray
+from ray._private.state import state
+from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+from raytrain_ddp.ray_compat.state import placement_group_records
+ray.init(logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + float(sys.argv[1])
+while True:  # a driver that just exited: the GCS ends its job, then removes its groups, in a second or so
+    held = [g for g in placement_group_records() if g.state != PlacementGroupTableData.REMOVED
+            and not g.creator_job_dead and g.creator_job_id.hex() != ray.get_runtime_context().get_job_id()]
+    if not held or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+jobs = {job["JobID"]: job for job in state.job_table()}
+print(json.dumps([{"group": g.placement_group_id.hex(), "job": g.creator_job_id.hex(),
+                   "pid": jobs.get(g.creator_job_id.hex(), {}).get("DriverPid"),
+                   "entrypoint": jobs.get(g.creator_job_id.hex(), {}).get("Entrypoint")} for g in held]))
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def head_left_free(request: pytest.FixtureRequest):
+    """After each file that used the shared head: no placement group of a job still running. Such a
+    group holds the head's CPUs, so every later run on this worker is refused (CI once failed 25
+    tests so, with no word of the file that left it). This names the driver that holds it, and kills
+    it where it is a process this session started, so that the file that left it is the one that fails."""
+    yield
+    if not SHARED or not any("ray_head" in item.fixturenames for item in request.session.items
+                             if item.module is request.module):
+        return
+    check = subprocess.run([sys.executable, "-c", HELD_AFTER, "10"], env=SHARED[0].env, capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-2000:]
+    held = json.loads(check.stdout.strip().splitlines()[-1])
+    if not held:
+        return
+    said = []
+    for group in held:
+        pid = group["pid"]
+        ours = bool(pid) and started_by(pid, os.getpid())
+        said.append(f"group {group['group']} of job {group['job']}, driver pid {pid} "
+                    f"({'ours: killed' if ours else 'not of this session'}): {group['entrypoint']}")
+        if ours:
+            os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"{request.module.__name__} left the shared head's CPUs held by a running job's placement "
+                f"group: {'; '.join(said)}")
+
+
+def started_by(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is alive and descends from `ancestor`, from /proc."""
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
 
 
 def raytrain(*args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None):

@@ -14,7 +14,7 @@ import pytest
 from raytrain_ddp.driver.resources import busy_problem, choose_layout, cpu_share, placement_problem, size
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
-from raytrain_ddp.ray_compat.state import worker_group_start_timeout_s
+from raytrain_ddp.ray_compat.state import job_driver, worker_group_start_timeout_s
 from raytrain_ddp.bench.local_ray import joined_node, local_head
 from conftest import TINY, raytrain
 
@@ -112,6 +112,16 @@ def test_an_elastic_run_needs_only_its_min_free():
     assert busy_problem(2, 1, False, nodes, HELD, max_workers=4).endswith("or lower --workers to 1:4")
 
 
+def test_a_running_jobs_driver_is_named_by_pid_node_and_its_command_shortened_in_the_middle():
+    assert job_driver(4242, "10.0.0.5", "/opt/venv/bin/python3 train.py  --lr\n0.1") == (
+        ", pid 4242 on 10.0.0.5: python3 train.py --lr 0.1")
+    long = "/v/bin/python3 -m raytrain_ddp run " + " ".join(f"--opt{i} {i}" for i in range(30)) + " --name mine"
+    said = job_driver(7, "10.0.0.5", long)
+    assert said.startswith(", pid 7 on 10.0.0.5: python3 -m raytrain_ddp run --opt0 0") and said.endswith(" --name mine")
+    assert " … " in said and len(said) < 160
+    assert job_driver(0, "", "") == ""  # a job the GCS keeps no driver for: its id alone
+
+
 def test_held_gpus_and_cpus():
     gpus = [node("192.0.2.2", {"CPU": 8.0, "GPU": 4.0}, {"CPU": 6.0, "GPU": 2.0})]
     held = [group(({"CPU": 1.0, "GPU": 1.0}, "192.0.2.2"), ({"CPU": 1.0, "GPU": 1.0}, "192.0.2.2"))]
@@ -159,7 +169,8 @@ def test_a_request_the_cluster_has_but_another_job_holds_fails_in_seconds_or_wai
         [line] = refused.stderr.strip().splitlines()
         assert re.match(  # the holder's job, as `ray list jobs` names it
             r"error: asked for 2 workers x 1 CPU; the cluster has them, but only 1 CPU is free now: 3 CPUs are held "
-            r"by 1 placement group \(job [0-9a-f]{8}\) on ", line), line
+            rf"by 1 placement group \(job [0-9a-f]{{8}}, pid {holder.pid} on [0-9.]+: python\S* -c \" import sys, ray "
+            r"ray.init\(\) .*\) on ", line), line
         assert line.endswith("; wait with --wait-for-resources SECONDS, or lower --workers to 1"), line
         assert "workers ->" not in refused.stdout  # no worker was asked for
 

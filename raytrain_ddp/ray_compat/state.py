@@ -48,19 +48,40 @@ def placement_group_records() -> list[Any] | None:
 
 def placement_group_creators() -> dict[str, str]:
     """Who made each placement group, in words, by its hex id: `job 05000000`, with `, which has
-    ended` once that job has (a group that outlived it) and `, detached`; empty where the GCS's
-    records cannot be read."""
+    ended` once that job has (a group that outlived it), or while it runs, its driver (job_driver);
+    and `, detached`. Empty where the GCS's records cannot be read."""
     try:
         records = placement_group_records() or []
+        drivers = live_job_drivers() if any(not group.creator_job_dead for group in records) else {}
         said = {}
         for group in records:
-            ended = ", which has ended" if group.creator_job_dead else ""
-            said[group.placement_group_id.hex()] = (f"job {group.creator_job_id.hex()}{ended}"
-                                                    + (", detached" if group.is_detached else ""))
+            job = group.creator_job_id.hex()
+            how = ", which has ended" if group.creator_job_dead else drivers.get(job, "")
+            said[group.placement_group_id.hex()] = f"job {job}{how}" + (", detached" if group.is_detached else "")
         return said
     except Exception as err:  # a Ray whose records differ: the error names no job then
         logger.debug("placement group creators unreadable: %s", err)
         return {}
+
+
+def live_job_drivers() -> dict[str, str]:
+    """Each running job's driver, by job hex id, in words (job_driver): on a shared cluster a job's
+    id alone tells its owner nothing."""
+    from ray._private.state import state
+
+    return {job["JobID"]: job_driver(job["DriverPid"], job["DriverIPAddress"], job.get("Entrypoint", ""))
+            for job in state.job_table() if not job["IsDead"]}
+
+
+def job_driver(pid: int, ip: str, entrypoint: str) -> str:
+    """`, pid 4242 on 10.0.0.5: python3 train.py --lr 0.1`: the command shortened in its middle,
+    where the script sits at the start and a run's name often at the end."""
+    words = " ".join(entrypoint.split()).split(" ", 1)
+    command = " ".join([os.path.basename(words[0]), *words[1:]]) if words[0] else ""
+    if len(command) > 120:
+        command = f"{command[:70]} … {command[-45:]}"
+    where = f", pid {pid} on {ip}" if pid else ""
+    return f"{where}: {command}" if command else where
 
 
 def token_auth_enabled() -> bool:
