@@ -62,28 +62,37 @@ import json, sys, time
 import ray
 from ray._private.state import state
 from ray.core.generated.gcs_pb2 import PlacementGroupTableData
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from raytrain_ddp.ray_compat.state import placement_group_records
 ray.init(logging_level="ERROR", log_to_driver=False)
+me = ray.get_runtime_context().get_job_id()
 deadline = time.monotonic() + float(sys.argv[1])
 while True:  # a driver that just exited: the GCS ends its job, then removes its groups, in a second or so
-    held = [g for g in placement_group_records() if g.state != PlacementGroupTableData.REMOVED
-            and not g.creator_job_dead and g.creator_job_id.hex() != ray.get_runtime_context().get_job_id()]
+    held = [g for g in placement_group_records()
+            if g.state != PlacementGroupTableData.REMOVED and g.creator_job_id.hex() != me]
     if not held or time.monotonic() > deadline:
         break
     time.sleep(0.5)
 jobs = {job["JobID"]: job for job in state.job_table()}
-print(json.dumps([{"group": g.placement_group_id.hex(), "job": g.creator_job_id.hex(),
-                   "pid": jobs.get(g.creator_job_id.hex(), {}).get("DriverPid"),
-                   "entrypoint": jobs.get(g.creator_job_id.hex(), {}).get("Entrypoint")} for g in held]))
+said = []
+for g in held:
+    job = jobs.get(g.creator_job_id.hex(), {})
+    ended = g.creator_job_dead or job.get("IsDead", False)
+    if ended:  # Ray will never free it: free it, so that only the file that left it fails
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(g.placement_group_id)))
+    said.append({"group": g.placement_group_id.hex(), "job": g.creator_job_id.hex(), "ended": ended,
+                 "pid": job.get("DriverPid"), "entrypoint": job.get("Entrypoint")})
+print(json.dumps(said))
 """
 
 
 @pytest.fixture(scope="module", autouse=True)
 def head_left_free(request: pytest.FixtureRequest):
-    """After each file that used the shared head: no placement group of a job still running. Such a
-    group holds the head's CPUs, so every later run on this worker is refused (CI once failed 25
-    tests so, with no word of the file that left it). This names the driver that holds it, and kills
-    it where it is a process this session started, so that the file that left it is the one that fails."""
+    """After each file that used the shared head: no placement group left on it. One left holds the
+    head's CPUs, so every later run on this worker is refused (ci54 failed 25 tests so, and said
+    nothing of the file that left it). This names the job that made it, and frees it (removes a
+    group whose job has ended, kills a driver this session started), so that the file that left it
+    is the one that fails."""
     yield
     if not SHARED or not any("ray_head" in item.fixturenames for item in request.session.items
                              if item.module is request.module):
@@ -97,13 +106,13 @@ def head_left_free(request: pytest.FixtureRequest):
     said = []
     for group in held:
         pid = group["pid"]
-        ours = bool(pid) and started_by(pid, os.getpid())
-        said.append(f"group {group['group']} of job {group['job']}, driver pid {pid} "
-                    f"({'ours: killed' if ours else 'not of this session'}): {group['entrypoint']}")
+        ours = not group["ended"] and bool(pid) and started_by(pid, os.getpid())
         if ours:
             os.kill(pid, signal.SIGKILL)
-    pytest.fail(f"{request.module.__name__} left the shared head's CPUs held by a running job's placement "
-                f"group: {'; '.join(said)}")
+        how = ("its job has ended: removed" if group["ended"] else
+               f"its driver, pid {pid}, {'was ours: killed' if ours else 'is not of this session'}")
+        said.append(f"group {group['group']} of job {group['job']} ({how}): {group['entrypoint']}")
+    pytest.fail(f"{request.module.__name__} left a placement group on the shared head: {'; '.join(said)}")
 
 
 def started_by(pid: int, ancestor: int) -> bool:

@@ -80,6 +80,16 @@ def test_a_killed_controllers_placement_group_is_gone_once_the_next_fit_starts(r
     assert list(seen["own"].values()) == ["CREATED"], seen  # the driver's own group is not a dead controller's
 
 
+@pytest.mark.e2e
+def test_a_driver_that_leaves_a_running_fit_stops_its_controller_and_frees_its_group_first(ray_head, tmp_path):
+    # Left to the job's end, a controller that was restarting its worker group then made a group that
+    # Ray never freed: it held the shared head's 4 CPUs and failed 25 later tests (ci54).
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "driver_leaves_a_running_fit.py"), str(tmp_path)],
+                          env=ray_head.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"left": {}}, proc.stderr[-2000:]
+
+
 LEFT_RAY = """
 import ray
 from raytrain_ddp.ray_compat.controller import remove_dead_controllers_groups

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from raytrain_ddp import ray_compat
 from raytrain_ddp.driver.metrics import write_json
 from raytrain_ddp.driver.preflight import RunPlan
 from raytrain_ddp.driver.session import LOST_SETTLE_S, FitThread, ray_lost
@@ -97,6 +98,16 @@ def drive(trainer: Any, signals: Signals, poll: Callable[[], None], stop: Callab
     fit = FitThread(trainer)
     signals.live = True
     fit.start()
+    try:
+        return watch(fit, signals, poll, stop, every_s)
+    finally:
+        if fit.is_alive() and not ray_lost():  # the driver leaves a fit that still runs: its own error, a stall
+            ray_compat.stop_running_fits()
+
+
+def watch(fit: FitThread, signals: Signals, poll: Callable[[], None], stop: Callable[[str, list[str]], None],
+          every_s: float) -> BaseException | None:
+    """drive's loop, until fit() returns or the watch raises."""
     try:
         try:
             while fit.is_alive():

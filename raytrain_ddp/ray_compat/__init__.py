@@ -9,7 +9,8 @@ the name, never every command.
 
 - `features`: what the installed Ray can carry (FEATURES), checked by the names each feature needs.
 - `controller`: the fast start (Ray Train's controller without its runtime_env, torch or idle actors),
-  and the clean-up of a dead controller's placement groups.
+  the clean-up of a dead controller's placement groups, and the stop of a running one before the
+  driver leaves its fit.
 - `elastic`: Ray's elastic scaling policy, counting only the nodes that stay.
 - `fixed_size`: Ray's fixed-size scaling policy, without the resource requests to Ray Data's
   AutoscalingCoordinator on a cluster that cannot scale.
@@ -48,6 +49,17 @@ def fast(trainer_class: type) -> type:
     from raytrain_ddp.ray_compat.controller import FastStart
 
     return type(trainer_class.__name__, (FastStart, trainer_class), {"__module__": FastStart.__module__})
+
+
+def stop_running_fits() -> None:
+    """Before a driver leaves a fit that still runs: its controllers stopped, and their placement
+    groups removed (controller.stop_running_controllers says why); nothing where the fast start
+    started none."""
+    if not supports("fast_start"):
+        return
+    from raytrain_ddp.ray_compat.controller import stop_running_controllers
+
+    stop_running_controllers()
 
 
 def before_resize(notice: Callable[[int], None]) -> Any:

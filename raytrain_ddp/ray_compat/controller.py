@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from ray.train.v2._internal.execution.controller import TrainController as RayTrainController
@@ -99,27 +100,66 @@ class FastStart:
 
             kwargs["scaling_policy"] = without_coordinator(kwargs["scaling_policy"])
         remove_dead_controllers_groups()  # an earlier fit's, in this driver, if its end could not
+        controller = None
         try:
             if get_env_vars_to_propagate():  # the user's RAY_TRAIN_* settings travel in the runtime_env
                 return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
             driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # as Ray's
             controller = ray.remote(num_cpus=0, scheduling_strategy=driver_node)(TrainController).remote(**kwargs)
+            RUNNING.append(controller)
             if threading.current_thread() is threading.main_thread():  # Ray's Ctrl-C handling, as Ray does
                 self._register_sigint_handler(controller)  # type: ignore[attr-defined]
             ray.get(controller.run.remote())
             return ray.get(controller.get_result.remote())
         finally:
+            if controller is not None and controller in RUNNING:
+                RUNNING.remove(controller)
             remove_dead_controllers_groups()
+
+
+RUNNING: list[Any] = []
+"""This driver's controllers whose fit has not returned (fast start): stop_running_controllers' to stop."""
+STOP_WAIT_S = 10.0
+"""How long a driver that leaves a running fit waits for its controllers' deaths: a kill lands in
+well under a second; a cluster that does not answer must not hold the driver's exit."""
+
+
+def stop_running_controllers() -> None:
+    """Kill this driver's running controllers, wait for their deaths, and remove the placement groups
+    they made: before the driver leaves a fit that still runs (its own error, a stall, a second Ctrl-C).
+    Left to the driver's exit, a controller that was restarting its worker group as the job ended
+    makes its new group after the GCS cleaned up the job's; Ray then never marks that group's job
+    dead, and it holds its CPUs until the cluster stops (CI: every later run refused, 'held by 1
+    placement group'). Ray's stock trainer (no fast start) keeps Ray's behaviour."""
+    import ray
+
+    stopping = list(RUNNING)
+    if not stopping or not ray.is_initialized():
+        return
+    try:
+        for controller in stopping:
+            ray.kill(controller, no_restart=True)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for controller in stopping:
+            try:
+                ray.get(controller.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                continue  # dead, as asked
+        killed = {getattr(controller, "_actor_id", None) for controller in stopping}
+        remove_dead_controllers_groups({actor.binary() for actor in killed if actor is not None})
+    except Exception as err:  # never hold or fail the driver's exit over it
+        logger.warning("could not stop a running controller: %s", err)
 
 
 # --- placement groups of a controller that died ---
 
 
-def groups_of_dead_controllers() -> list[str] | None:
+def groups_of_dead_controllers(killed: set[bytes] = frozenset()) -> list[str] | None:
     """Hex ids of the live placement groups that an actor of this job created and that outlived it
     (a controller killed mid-run). Ray removes a group only once both its creator and the job are
     dead, so a driver that goes on to another fit keeps them reserved. None where this Ray's GCS
-    records cannot be read. Never another job's groups."""
+    records cannot be read. Never another job's groups. `killed`: the actor ids of controllers this
+    driver killed and saw die, whose groups count even where Ray has not marked their creator dead."""
     import ray
 
     from raytrain_ddp.ray_compat.state import placement_group_records
@@ -132,7 +172,7 @@ def groups_of_dead_controllers() -> list[str] | None:
     driver = ray.ActorID.nil().binary()  # the creator of the driver's own groups, "dead" from the start
     found = []
     for group in records:
-        if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and group.creator_actor_dead
+        if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and (group.creator_actor_dead or group.creator_actor_id in killed)
                 and not group.is_detached and group.state != PlacementGroupTableData.REMOVED):
             found.append(group.placement_group_id.hex())
     return found
@@ -149,18 +189,18 @@ def can_clean_up() -> bool:
     return {"creator_job_id", "creator_actor_dead"} <= set(PlacementGroupTableData.DESCRIPTOR.fields_by_name)
 
 
-def remove_dead_controllers_groups() -> None:
+def remove_dead_controllers_groups(killed: set[bytes] = frozenset()) -> None:
     """Remove the placement groups a dead controller of this job left reserved. Not once the driver
     has left Ray: a fit ending after the driver's exit (its error already said) would make Ray connect
-    again, and print so after that last line; the job's end removes the groups anyway."""
+    again, and print so after that last line. `killed`: as groups_of_dead_controllers'."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     if not ray.is_initialized():
         return
     try:
-        for hex_id in groups_of_dead_controllers() or []:
+        for hex_id in groups_of_dead_controllers(killed) or []:
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(hex_id))))
-    except Exception as err:  # never fail a fit's end over it: the job's exit removes them anyway
+    except Exception as err:  # never fail a fit's end over it
         if ray.is_initialized():  # else the driver shut Ray down meanwhile, after its last line
             logger.warning("could not remove a dead controller's placement groups: %s", err)

@@ -52,11 +52,14 @@ def placement_group_creators() -> dict[str, str]:
     and `, detached`. Empty where the GCS's records cannot be read."""
     try:
         records = placement_group_records() or []
-        drivers = live_job_drivers() if any(not group.creator_job_dead for group in records) else {}
+        jobs = job_drivers() if records else {}
         said = {}
         for group in records:
             job = group.creator_job_id.hex()
-            how = ", which has ended" if group.creator_job_dead else drivers.get(job, "")
+            # The job table, not only the group's own mark: a group a job's actor made after the GCS
+            # had cleaned up that job's is never marked (ray_compat.controller.stop_running_controllers).
+            how = jobs.get(job, "")
+            how = ", which has ended" if group.creator_job_dead or how is None else how
             said[group.placement_group_id.hex()] = f"job {job}{how}" + (", detached" if group.is_detached else "")
         return said
     except Exception as err:  # a Ray whose records differ: the error names no job then
@@ -64,13 +67,14 @@ def placement_group_creators() -> dict[str, str]:
         return {}
 
 
-def live_job_drivers() -> dict[str, str]:
-    """Each running job's driver, by job hex id, in words (job_driver): on a shared cluster a job's
-    id alone tells its owner nothing."""
+def job_drivers() -> dict[str, str | None]:
+    """Each job's driver, by job hex id, in words (job_driver), None for a job that has ended: on a
+    shared cluster a job's id alone tells its owner nothing."""
     from ray._private.state import state
 
-    return {job["JobID"]: job_driver(job["DriverPid"], job["DriverIPAddress"], job.get("Entrypoint", ""))
-            for job in state.job_table() if not job["IsDead"]}
+    return {job["JobID"]: None if job["IsDead"] else job_driver(job["DriverPid"], job["DriverIPAddress"],
+                                                                  job.get("Entrypoint", ""))
+            for job in state.job_table()}
 
 
 def job_driver(pid: int, ip: str, entrypoint: str) -> str:
