@@ -89,9 +89,14 @@ def test_the_job_that_made_a_holding_group_is_named_and_whether_it_has_ended():
             {**group(({"CPU": 2.0}, "192.0.2.3")), "creator": "job 07000000"}]
     assert busy_problem(1, 1, False, nodes, held) == (
         "asked for 1 worker x 1 CPU; the cluster has them, but no CPU is free now: 8 CPUs are held by 3 placement "
-        "groups (job 05000000, which has ended; job 07000000) on 192.0.2.2, 192.0.2.3; "
-        "wait with --wait-for-resources SECONDS"
+        "groups (job 05000000, which has ended; job 07000000) on 192.0.2.2, 192.0.2.3; Ray never frees a placement "
+        "group whose job has ended: remove it (ray.util.remove_placement_group) or restart Ray; or wait with "
+        "--wait-for-resources SECONDS"
     )
+    # Only a group whose job has ended holds them: no wait frees it.
+    assert busy_problem(1, 1, False, nodes[:1], held[:1]).endswith(
+        "held by 1 placement group (job 05000000, which has ended) on 192.0.2.2; Ray never frees a placement group "
+        "whose job has ended: remove it (ray.util.remove_placement_group) or restart Ray")
 
 
 def test_free_cpus_count_per_node_and_each_holder_is_named():

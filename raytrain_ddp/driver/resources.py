@@ -9,7 +9,7 @@ import time
 from typing import NamedTuple
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.ray_compat.state import free_resources_per_node, local_gpu_mib
+from raytrain_ddp.ray_compat.state import ENDED, free_resources_per_node, local_gpu_mib
 
 
 def cpu_share(workers: int, node_cpus: list[int]) -> int:
@@ -110,7 +110,7 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
     # A placement group holds its bundles from its creation to its removal, used or not: another
     # Ray Train run's workers, or a job that reserved them. Ours has none yet: preflight comes first.
     grouped: dict[str, float] = {}
-    holders, creators = 0, set()
+    holders, creators, orphaned = 0, set(), 0.0
     for group in groups:
         if group.get("state") != "CREATED":
             continue
@@ -120,6 +120,7 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
         holders += bool(here)
         if here:
             creators.add(group.get("creator") or "another job or run")
+            orphaned += sum(n for _, n in here) if ENDED in (group.get("creator") or "") else 0
         for node, n in here:
             grouped[node] = grouped.get(node, 0) + n
     # The rest of what is held, tasks and actors hold outside any placement group.
@@ -155,6 +156,10 @@ def busy_problem(workers: int, cpus_per_worker: int, gpu: bool, nodes: list[dict
     if max_workers:
         need = f"at least {need} (the elastic run's MIN)"
     wait = f"wait longer than --wait-for-resources {waited:g}" if waited else "wait with --wait-for-resources SECONDS"
+    if orphaned:  # no wait frees those: Ray's GCS let them outlive their job (ray_compat.controller)
+        freed = ("Ray never frees a placement group whose job has ended: remove it "
+                 "(ray.util.remove_placement_group) or restart Ray")
+        wait = freed if orphaned >= sum(held.values()) else f"{freed}; or {wait}"
     lower = f", or lower --workers to {fits}{f':{max_workers}' if max_workers else ''}" if fits else ""
     return f"asked for {need}; the cluster has them, but {now}{': ' + ', '.join(who) if who else ''}; {wait}{lower}"
 

@@ -11,6 +11,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+ENDED = "which has ended"
+"""How placement_group_creators says a group's job is gone (Ray never frees such a group)."""
 WORKER_GROUP_START_TIMEOUT_S = 60.0
 """Ray Train's default for how long a worker group may take to start, where Ray does not say."""
 
@@ -59,7 +61,7 @@ def placement_group_creators() -> dict[str, str]:
             # The job table, not only the group's own mark: a group a job's actor made after the GCS
             # had cleaned up that job's is never marked (ray_compat.controller.stop_running_controllers).
             how = jobs.get(job, "")
-            how = ", which has ended" if group.creator_job_dead or how is None else how
+            how = f", {ENDED}" if group.creator_job_dead or how is None else how
             said[group.placement_group_id.hex()] = f"job {job}{how}" + (", detached" if group.is_detached else "")
         return said
     except Exception as err:  # a Ray whose records differ: the error names no job then
