@@ -146,7 +146,7 @@ def stop_running_controllers() -> None:
             except ray.exceptions.RayActorError:
                 continue  # dead, as asked
         killed = {getattr(controller, "_actor_id", None) for controller in stopping}
-        remove_dead_controllers_groups({actor.binary() for actor in killed if actor is not None})
+        remove_dead_controllers_groups(frozenset(actor.binary() for actor in killed if actor is not None))
     except Exception as err:  # never hold or fail the driver's exit over it
         logger.warning("could not stop a running controller: %s", err)
 
@@ -154,7 +154,7 @@ def stop_running_controllers() -> None:
 # --- placement groups of a controller that died ---
 
 
-def groups_of_dead_controllers(killed: set[bytes] = frozenset()) -> list[str] | None:
+def groups_of_dead_controllers(killed: frozenset[bytes] = frozenset()) -> list[str] | None:
     """Hex ids of the live placement groups that an actor of this job created and that outlived it
     (a controller killed mid-run). Ray removes a group only once both its creator and the job are
     dead, so a driver that goes on to another fit keeps them reserved. None where this Ray's GCS
@@ -172,7 +172,8 @@ def groups_of_dead_controllers(killed: set[bytes] = frozenset()) -> list[str] | 
     driver = ray.ActorID.nil().binary()  # the creator of the driver's own groups, "dead" from the start
     found = []
     for group in records:
-        if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and (group.creator_actor_dead or group.creator_actor_id in killed)
+        dead = group.creator_actor_dead or group.creator_actor_id in killed
+        if (group.creator_job_id.hex() == job and group.creator_actor_id != driver and dead
                 and not group.is_detached and group.state != PlacementGroupTableData.REMOVED):
             found.append(group.placement_group_id.hex())
     return found
@@ -189,7 +190,7 @@ def can_clean_up() -> bool:
     return {"creator_job_id", "creator_actor_dead"} <= set(PlacementGroupTableData.DESCRIPTOR.fields_by_name)
 
 
-def remove_dead_controllers_groups(killed: set[bytes] = frozenset()) -> None:
+def remove_dead_controllers_groups(killed: frozenset[bytes] = frozenset()) -> None:
     """Remove the placement groups a dead controller of this job left reserved. Not once the driver
     has left Ray: a fit ending after the driver's exit (its error already said) would make Ray connect
     again, and print so after that last line. `killed`: as groups_of_dead_controllers'."""
