@@ -17,6 +17,7 @@ import torch
 from conftest import raytrain, wait_for
 
 from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE
+from raytrain_ddp.checkpoint.files import latest_checkpoint as resumes_from
 from raytrain_ddp.data.torch_ingest import sample_seed
 from raytrain_ddp.driver.metrics import read_csv
 
@@ -69,19 +70,32 @@ def exact_run(tmp_path: Path, name: str, workers: int, data_workers: int) -> lis
 
 
 def stop_mid_epoch(args: list[str], env: dict, run_dir: Path, sig: int, after: Path | None = None) -> subprocess.Popen:
-    """Start the run and send `sig` to its driver once a checkpoint other than `after` (the one it
-    resumes from) is registered."""
+    """Start the run and send `sig` to its driver once a checkpoint past `after` (the one it resumes
+    from) is registered: past it in training, not only another directory (ci55: the resumed run's
+    first registered checkpoint stood where `after` did). A failure kills the driver: left running,
+    its workers hold the shared head's CPUs and fail the next test."""
     proc = start(args, env, cwd=SCRIPTS)
-    deadline = time.monotonic() + 240
-    while (ckpt := latest_checkpoint(run_dir)) in (None, after):
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint registered"
-        time.sleep(0.1)
-    where = json.loads((ckpt / RESUME_INFO).read_text())
-    # The cut falls mid-epoch: the first in epoch 1; a later one where the earlier stop left the run.
-    assert where["position"] > 0 and (after is not None or where["epoch"] == 1), where
-    proc.send_signal(sig)
+    try:
+        past = place(after) if after is not None else (0, -1)
+        deadline = time.monotonic() + 240
+        while (ckpt := latest_checkpoint(run_dir)) is None or place(ckpt) <= past:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"no checkpoint registered past {past}"
+            time.sleep(0.1)
+        epoch, position = place(ckpt)
+        # The cut falls mid-epoch: the first in epoch 1; a later one where the earlier stop left the run.
+        assert position > 0 and (after is not None or epoch == 1), (epoch, position)
+        proc.send_signal(sig)
+    except BaseException:
+        proc.kill()
+        raise
     return proc
+
+
+def place(checkpoint: Path) -> tuple[int, int]:
+    """(epoch, samples into it) where the checkpoint resumes."""
+    where = json.loads((checkpoint / RESUME_INFO).read_text())
+    return where["epoch"], where["position"]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +137,7 @@ def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(r
         proc = stop_mid_epoch(args, ray_head.env, run_dir, signal.SIGUSR1, after=cut)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 75 and "run the same command again" in err, err[-2000:]
-        cut = latest_checkpoint(run_dir)
+        cut = resumes_from(run_dir)  # where the stop left the run, as the next run takes it
     resumed = raytrain("run", *exact_run(tmp_path, "resized", workers=2, data_workers=0), env=ray_head.env, cwd=SCRIPTS)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 

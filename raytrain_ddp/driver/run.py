@@ -305,6 +305,8 @@ class RunNews:
         """(rank, part) of the stragglers named so far: each is said once, its epochs are in rank_times.csv."""
         self.crowded = False
         """Whether the ranks were said to share their cores (so no straggler is named): said once."""
+        self.profiles_shown: dict[int, str] = {}
+        """Each rank's --profile line as last shown (profile_lines)."""
         self.name, self.grace, self.health = plan.cfg.name, plan.cfg.stop_grace_s, plan.cfg.health
         self.stopping: str | None = None
         """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
@@ -420,9 +422,17 @@ class RunNews:
             lines += [started] if started else []
         if self.health == "warn" and info.get("health") and info["health"] != was.get("health"):
             lines += [s.line() for s in slow_nodes([NodeHealth.from_json(node) for node in info["health"]])]
-        lines += [line for rank, line in sorted(info.get("profiles", {}).items())
-                  if line != was.get("profiles", {}).get(rank)]
-        return lines + self.straggler_lines(info)
+        return lines + self.profile_lines(info) + self.straggler_lines(info)
+
+    def profile_lines(self, info: dict[str, Any]) -> list[str]:
+        """--profile's line for each rank, in rank order once every rank's has come (they come a poll
+        apart on a busy machine; ci55 showed rank 1's first); each again only if it changes."""
+        profiles = info.get("profiles", {})
+        if not profiles or len(profiles) < info.get("world_size", 0):
+            return []
+        new = [line for rank, line in sorted(profiles.items()) if line != self.profiles_shown.get(rank)]
+        self.profiles_shown = dict(profiles)
+        return new
 
     def straggler_lines(self, info: dict[str, Any]) -> list[str]:
         """A line for each rank newly slow in a part: the first epoch it was; or once, that one looked
