@@ -279,7 +279,8 @@ def test_the_rank_that_failed_first_is_the_root_cause_and_a_knock_on_is_one_line
     assert "Traceback" not in proc.stderr.replace(lines[cause + 1], "", 1), proc.stderr[-3000:]  # rank 0's is not shown
     assert "[rank1]" not in proc.stderr and "[rank0]: [rank0]" not in proc.stderr + proc.stdout
     assert "[rank0]: step 5 loss " in proc.stdout and "\r" not in proc.stdout  # a file gets each line settled
-    assert "Traceback (most recent call last):" in (tmp_path / "runs" / "f" / "logs" / "rank-0.log").read_text()
+    if "a knock-on" in knock_on:  # rank 0 raised: its traceback, not on screen, is in its log (a stop leaves none)
+        assert "Traceback (most recent call last):" in (tmp_path / "runs" / "f" / "logs" / "rank-0.log").read_text()
     assert any(line.startswith("raytrain: layout: 2 workers x ") for line in lines)  # raytrain's own lines: prefixed
 
 
