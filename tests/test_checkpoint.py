@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,9 +72,9 @@ def exact_run(tmp_path: Path, name: str, workers: int, data_workers: int) -> lis
 
 def stop_mid_epoch(args: list[str], env: dict, run_dir: Path, sig: int, after: Path | None = None) -> subprocess.Popen:
     """Start the run and send `sig` to its driver once a checkpoint past `after` (the one it resumes
-    from) is registered: past it in training, not only another directory (ci55: the resumed run's
-    first registered checkpoint stood where `after` did). A failure kills the driver: left running,
-    its workers hold the shared head's CPUs and fail the next test."""
+    from) is registered: past it in training, not only in another directory (ci55 cut at a checkpoint
+    where `after` stood). A failure kills the driver: left running, its workers hold the shared
+    head's CPUs and fail the next test."""
     proc = start(args, env, cwd=SCRIPTS)
     try:
         past = place(after) if after is not None else (0, -1)
@@ -138,6 +139,8 @@ def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(r
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 75 and "run the same command again" in err, err[-2000:]
         cut = resumes_from(run_dir)  # where the stop left the run, as the next run takes it
+        epoch, step = map(int, re.search(r"with a checkpoint at epoch (\d+) step (\d+)", err).groups())
+        assert (place(cut)[0], place(cut)[1] == 0) == (epoch, step == 0), (place(cut), err[-2000:])  # the one it named
     resumed = raytrain("run", *exact_run(tmp_path, "resized", workers=2, data_workers=0), env=ray_head.env, cwd=SCRIPTS)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
