@@ -102,7 +102,7 @@ def drive(trainer: Any, signals: Signals, poll: Callable[[], None], stop: Callab
         return watch(fit, signals, poll, stop, every_s)
     finally:
         if fit.is_alive() and not ray_lost():  # the driver leaves a fit that still runs: its own error, a stall
-            ray_compat.stop_running_fits()
+            ray_compat.stop_running_fit(fit)
 
 
 def watch(fit: FitThread, signals: Signals, poll: Callable[[], None], stop: Callable[[str, list[str]], None],

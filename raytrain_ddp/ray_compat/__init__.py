@@ -28,6 +28,7 @@ controller unpickles from it.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from raytrain_ddp.ray_compat.features import (  # noqa: F401  (the door's face)
@@ -51,15 +52,15 @@ def fast(trainer_class: type) -> type:
     return type(trainer_class.__name__, (FastStart, trainer_class), {"__module__": FastStart.__module__})
 
 
-def stop_running_fits() -> None:
-    """Before a driver leaves a fit that still runs: its controllers stopped, and their placement
-    groups removed (controller.stop_running_controllers says why); nothing where the fast start
-    started none."""
+def stop_running_fit(fit: threading.Thread) -> None:
+    """Before a driver leaves a fit that still runs on thread `fit`: its controller stopped, and its
+    placement groups removed (controller.stop_running_controller says why); nothing where the fast
+    start started none."""
     if not supports("fast_start"):
         return
-    from raytrain_ddp.ray_compat.controller import stop_running_controllers
+    from raytrain_ddp.ray_compat.controller import stop_running_controller
 
-    stop_running_controllers()
+    stop_running_controller(fit)
 
 
 def before_resize(notice: Callable[[int], None]) -> Any:

@@ -106,47 +106,50 @@ class FastStart:
                 return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
             driver_node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # as Ray's
             controller = ray.remote(num_cpus=0, scheduling_strategy=driver_node)(TrainController).remote(**kwargs)
-            RUNNING.append(controller)
+            RUNNING[threading.current_thread()] = controller
             if threading.current_thread() is threading.main_thread():  # Ray's Ctrl-C handling, as Ray does
                 self._register_sigint_handler(controller)  # type: ignore[attr-defined]
             ray.get(controller.run.remote())
             return ray.get(controller.get_result.remote())
         finally:
-            if controller is not None and controller in RUNNING:
-                RUNNING.remove(controller)
+            if controller is not None:
+                RUNNING.pop(threading.current_thread(), None)
             remove_dead_controllers_groups()
 
 
-RUNNING: list[Any] = []
-"""This driver's controllers whose fit has not returned (fast start): stop_running_controllers' to stop."""
+RUNNING: dict[threading.Thread, Any] = {}
+"""This driver's controllers whose fit has not returned (fast start), by the thread that runs the fit."""
 STOP_WAIT_S = 10.0
 """How long a driver that leaves a running fit waits for its controllers' deaths: a kill lands in
 well under a second; a cluster that does not answer must not hold the driver's exit."""
 
 
-def stop_running_controllers() -> None:
-    """Kill this driver's running controllers, wait for their deaths, and remove the placement groups
-    they made: before the driver leaves a fit that still runs (its own error, a stall, a second Ctrl-C).
+def stop_running_controller(fit: threading.Thread) -> None:
+    """Kill the controller of the fit that thread `fit` runs, wait for its death, and remove the
+    placement groups it made: before the driver leaves a fit that still runs (its own error, a stall,
+    a second Ctrl-C).
     Left to the driver's exit, a controller that was restarting its worker group as the job ended
     makes its new group after the GCS cleaned up the job's; Ray then never marks that group's job
     dead, and it holds its CPUs until the cluster stops (CI: every later run refused, 'held by 1
     placement group'). Ray's stock trainer (no fast start) keeps Ray's behaviour."""
     import ray
 
-    stopping = list(RUNNING)
-    if not stopping or not ray.is_initialized():
+    controller = RUNNING.get(fit)
+    if controller is None or not ray.is_initialized():
         return
     try:
-        for controller in stopping:
-            ray.kill(controller, no_restart=True)
+        ray.kill(controller, no_restart=True)
         deadline = time.monotonic() + STOP_WAIT_S
-        for controller in stopping:
+        while True:  # the kill lands a moment later: a call may still be answered before it
             try:
                 ray.get(controller.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
             except ray.exceptions.RayActorError:
-                continue  # dead, as asked
-        killed = {getattr(controller, "_actor_id", None) for controller in stopping}
-        remove_dead_controllers_groups(frozenset(actor.binary() for actor in killed if actor is not None))
+                break  # dead, as asked
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"it outlived its kill by {STOP_WAIT_S:g} s")
+            time.sleep(0.1)
+        actor = getattr(controller, "_actor_id", None)
+        remove_dead_controllers_groups(frozenset([actor.binary()]) if actor is not None else frozenset())
     except Exception as err:  # never hold or fail the driver's exit over it
         logger.warning("could not stop a running controller: %s", err)
 

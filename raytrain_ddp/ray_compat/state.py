@@ -59,7 +59,7 @@ def placement_group_creators() -> dict[str, str]:
         for group in records:
             job = group.creator_job_id.hex()
             # The job table, not only the group's own mark: a group a job's actor made after the GCS
-            # had cleaned up that job's is never marked (ray_compat.controller.stop_running_controllers).
+            # had cleaned up that job's is never marked (ray_compat.controller.stop_running_controller).
             how = jobs.get(job, "")
             how = f", {ENDED}" if group.creator_job_dead or how is None else how
             said[group.placement_group_id.hex()] = f"job {job}{how}" + (", detached" if group.is_detached else "")

@@ -4,7 +4,7 @@ rank cannot load): drive()'s watch raises while the ranks train.
 python driver_leaves_a_running_fit.py STORAGE_DIR (RAY_ADDRESS and its token in the environment).
 Prints one JSON line, taken once drive() has raised and before the driver exits: the states of the
 placement groups this job made, that are not removed. Left running, a controller that restarts its
-worker group as the job ends makes a group Ray never frees (ray_compat.controller.stop_running_controllers).
+worker group as the job ends makes a group Ray never frees (ray_compat.controller.stop_running_controller).
 """
 
 from __future__ import annotations
