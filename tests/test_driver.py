@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, raytrain, wait_for
 
-from raytrain_ddp.driver.run import describe_resize, resize_reason
+from raytrain_ddp.driver.run import describe_resize, profile_lines, resize_reason
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.sink import Sink
 from raytrain_ddp.driver.progress import Display
@@ -60,6 +60,14 @@ def test_a_redone_epoch_is_shown_again_and_a_restored_one_is_not(capsys):
     display.update({}, None, [row(1, 1.9)])  # ... and reported anew
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch 1/2")]
     assert len(lines) == 2 and "train loss 2.0000" in lines[0] and "train loss 1.9000" in lines[1]
+
+
+def test_profile_lines_wait_for_every_rank_and_come_in_rank_order():
+    assert profile_lines({1: "profile rank 1: b"}, 2, {}) == ([], {})  # rank 0's is a poll behind
+    lines, shown = profile_lines({1: "profile rank 1: b", 0: "profile rank 0: a"}, 2, {})
+    assert lines == ["profile rank 0: a", "profile rank 1: b"]
+    assert profile_lines({0: "profile rank 0: a", 1: "profile rank 1: b"}, 2, shown) == ([], shown)  # said once
+    assert profile_lines({0: "profile rank 0: c", 1: "profile rank 1: b"}, 2, shown)[0] == ["profile rank 0: c"]
 
 
 def test_plain_mode_prints_a_step_once_however_long_the_run_stays_there(capsys):

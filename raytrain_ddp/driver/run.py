@@ -251,6 +251,15 @@ def kept(run_dir: Path, name: str) -> str:
     return f"The last checkpoint, {checkpoint.name}{where}, is kept: {rerun} to resume from it"
 
 
+def profile_lines(profiles: dict[int, str], world_size: int, shown: dict[int, str]) -> tuple[list[str], dict[int, str]]:
+    """--profile's line for each rank, in rank order once every rank's has come (they come a poll
+    apart on a busy machine; ci55 showed rank 1's first), each again only if it changed since
+    `shown`; and what is shown after."""
+    if not profiles or len(profiles) < world_size:
+        return [], shown
+    return [line for rank, line in sorted(profiles.items()) if line != shown.get(rank)], dict(profiles)
+
+
 def resize_reason(event: dict[str, Any]) -> str:
     if event.get("stall"):
         return "a worker group restarted after a stall"
@@ -425,14 +434,8 @@ class RunNews:
         return lines + self.profile_lines(info) + self.straggler_lines(info)
 
     def profile_lines(self, info: dict[str, Any]) -> list[str]:
-        """--profile's line for each rank, in rank order once every rank's has come (they come a poll
-        apart on a busy machine; ci55 showed rank 1's first); each again only if it changes."""
-        profiles = info.get("profiles", {})
-        if not profiles or len(profiles) < info.get("world_size", 0):
-            return []
-        new = [line for rank, line in sorted(profiles.items()) if line != self.profiles_shown.get(rank)]
-        self.profiles_shown = dict(profiles)
-        return new
+        lines, self.profiles_shown = profile_lines(info.get("profiles", {}), info.get("world_size", 0), self.profiles_shown)
+        return lines
 
     def straggler_lines(self, info: dict[str, Any]) -> list[str]:
         """A line for each rank newly slow in a part: the first epoch it was; or once, that one looked
