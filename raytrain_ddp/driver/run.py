@@ -431,11 +431,9 @@ class RunNews:
             lines += [started] if started else []
         if self.health == "warn" and info.get("health") and info["health"] != was.get("health"):
             lines += [s.line() for s in slow_nodes([NodeHealth.from_json(node) for node in info["health"]])]
-        return lines + self.profile_lines(info) + self.straggler_lines(info)
-
-    def profile_lines(self, info: dict[str, Any]) -> list[str]:
-        lines, self.profiles_shown = profile_lines(info.get("profiles", {}), info.get("world_size", 0), self.profiles_shown)
-        return lines
+        profiled, self.profiles_shown = profile_lines(info.get("profiles", {}), info.get("world_size", 0),
+                                                      self.profiles_shown)
+        return lines + profiled + self.straggler_lines(info)
 
     def straggler_lines(self, info: dict[str, Any]) -> list[str]:
         """A line for each rank newly slow in a part: the first epoch it was; or once, that one looked

@@ -100,7 +100,6 @@ class FastStart:
 
             kwargs["scaling_policy"] = without_coordinator(kwargs["scaling_policy"])
         remove_dead_controllers_groups()  # an earlier fit's, in this driver, if its end could not
-        controller = None
         try:
             if get_env_vars_to_propagate():  # the user's RAY_TRAIN_* settings travel in the runtime_env
                 return super()._initialize_and_run_controller(**kwargs)  # type: ignore[misc]
@@ -112,8 +111,7 @@ class FastStart:
             ray.get(controller.run.remote())
             return ray.get(controller.get_result.remote())
         finally:
-            if controller is not None:
-                RUNNING.pop(threading.current_thread(), None)
+            RUNNING.pop(threading.current_thread(), None)
             remove_dead_controllers_groups()
 
 
