@@ -18,8 +18,11 @@ names a rank: every rank leaves the all-reduce together, so a long `comm` is a r
 slower one, not a slow one (a slow link slows every rank's all-reduce alike).
 
 Ranks whose node has fewer cores than they keep busy (torch threads and loader workers) take turns
-on the cores: their times measure the scheduler, not the ranks. Then no rank is named, and where one
-differed as a straggler does, one line says so (`not_comparable`).
+on the cores. Linux gives each of B busy threads on C cores at least C/B of a core, so taking turns
+stretches a rank's work at most B/C times (`turns_bound`): a rank is named there only when its gap is
+beyond that, both in the part (B/C times the 50% bar) and against the others' whole own step (B/C - 1
+times it, which also bounds a wait for a starved loader). A gap within the bound names no rank, and
+one line says that the ranks take turns (`not_comparable`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ MIN_WINDOWS = 3
 """... and it held in every one of at least this many windows (an epoch of fewer steps names no one)."""
 OWN = ("data", "forward", "backward")
 """The parts that are a rank's own work, which alone can name it; `comm` includes waiting for the others."""
+OWN_AT = slice(0, len(OWN))
+"""Where the OWN parts sit in a window's seconds (PARTS' order)."""
 RANK_TIMES = "rank_times.csv"
 """The run directory's file of every rank's parts, every epoch."""
 RANK_WINDOWS = "rank_windows.csv"
@@ -75,19 +80,22 @@ class Straggler:
 
 
 def stragglers(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> list[Straggler]:
-    """The ranks slow in a part of their own work this epoch; none where the ranks share cores."""
-    return [] if crowding(parts, hosts) else slow_ranks(epoch, parts, hosts)
+    """The ranks slow in a part of their own work this epoch, beyond what taking turns on shared cores
+    can explain."""
+    return slow_ranks(epoch, parts, hosts, turns_explain=True)
 
 
-def slow_ranks(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> list[Straggler]:
-    """The ranks whose own work is slow by the module's rule, whether or not they share cores."""
+def slow_ranks(epoch: int, parts: list[dict[str, Any]], hosts: list[str], turns_explain: bool) -> list[Straggler]:
+    """The ranks whose own work is slow by the module's rule; `turns_explain`: whether ranks that share
+    too few cores must be slower than taking turns can make them."""
     if len(parts) < 2:
         return []
-    found = (slow_in(epoch, part, r, parts, hosts) for part in OWN for r in range(len(parts)))
+    found = (slow_in(epoch, part, r, parts, hosts, turns_explain) for part in OWN for r in range(len(parts)))
     return [slow for slow in found if slow is not None]
 
 
-def slow_in(epoch: int, part: str, r: int, parts: list[dict[str, Any]], hosts: list[str]) -> Straggler | None:
+def slow_in(epoch: int, part: str, r: int, parts: list[dict[str, Any]], hosts: list[str],
+            turns_explain: bool = True) -> Straggler | None:
     """Rank r, if it is slow in `part` this epoch (the module's rule), judged on seconds per micro-batch
     in each window, as the last windows may hold fewer."""
     i = PARTS.index(part)
@@ -116,6 +124,11 @@ def slow_in(epoch: int, part: str, r: int, parts: list[dict[str, Any]], hosts: l
     slower = SHARED_SLOWER if shares and not parts[r]["gpu"] else SLOWER
     if min(gaps) <= noise or sum(mine) - sum(turns) < (1 + slower) * sum(theirs) or sum(gaps) < FLOOR * sum(steps):
         return None
+    stretch = turns_bound(parts, hosts).get(host_of(hosts, r), 1.0) if turns_explain else 1.0
+    if stretch > 1.0:
+        own = [statistics.median(sum(per_step(rank, w)[OWN_AT]) for rank in others) for w in judged]
+        if sum(mine) - sum(turns) < stretch * (1 + slower) * sum(theirs) or sum(gaps) < (stretch - 1) * sum(own):
+            return None
     counts = [parts[r]["window_steps"][w] for w in judged]
     seconds, others_seconds = (sum(v * n for v, n in zip(values, counts)) for values in (mine, theirs))
     return Straggler(epoch, r, host_of(hosts, r), part, seconds, others_seconds, len(judged),
@@ -127,33 +140,54 @@ def spread(values: list[float]) -> float:
     return max(abs(b - a) for a, b in zip(values, values[1:]))
 
 
-def crowding(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
-    """Which nodes' ranks share their cores, which makes their times not comparable; None when every
-    node has a core for each busy thread of its ranks."""
+def crowded_nodes(parts: list[dict[str, Any]], hosts: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """The ranks of each node whose ranks keep more threads busy than it has cores, by host."""
     by_host: dict[str, list[dict[str, Any]]] = {}
     for r, rank in enumerate(parts):
         by_host.setdefault(host_of(hosts, r), []).append(rank)
+    return {host: ranks for host, ranks in by_host.items() if len(ranks) > 1 and busy(ranks) > cores(ranks)}
+
+
+def busy(ranks: list[dict[str, Any]]) -> int:
+    return sum(rank["threads"] + rank["loader_workers"] for rank in ranks)
+
+
+def cores(ranks: list[dict[str, Any]]) -> int:
+    return max(rank["cores"] for rank in ranks)
+
+
+def turns_bound(parts: list[dict[str, Any]], hosts: list[str]) -> dict[str, float]:
+    """How many times slower taking turns can make a rank's work on each crowded node, by host: busy
+    threads over cores, as Linux's fair scheduler gives each busy thread at least cores/busy of a core."""
+    return {host: busy(ranks) / cores(ranks) for host, ranks in crowded_nodes(parts, hosts).items()}
+
+
+def crowding(parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
+    """Which nodes' ranks share their cores, which makes their times comparable only beyond the turns
+    they take; None when every node has a core for each busy thread of its ranks."""
     said = []
-    for host, ranks in by_host.items():
-        busy = sum(rank["threads"] + rank["loader_workers"] for rank in ranks)
-        cores = max(rank["cores"] for rank in ranks)
-        if len(ranks) > 1 and busy > cores:
-            each = " / ".join(sorted({f"{rank['threads']} torch + {rank['loader_workers']} loader" for rank in ranks}))
-            said.append(f"the {len(ranks)} ranks on {host} keep {busy} threads busy ({each} each) on {cores} cores")
+    for host, ranks in crowded_nodes(parts, hosts).items():
+        each = " / ".join(sorted({f"{rank['threads']} torch + {rank['loader_workers']} loader" for rank in ranks}))
+        said.append(f"the {len(ranks)} ranks on {host} keep {busy(ranks)} threads busy ({each} each) "
+                    f"on {cores(ranks)} cores")
     return "; ".join(said) or None
 
 
 def not_comparable(epoch: int, parts: list[dict[str, Any]], hosts: list[str]) -> str | None:
-    """The line for ranks that differ as a straggler does but share their node's cores, so none is
-    named; None when they have cores of their own (stragglers() judges them) or do not differ (a
-    quick start on a laptop keeps more threads busy than it has cores, and has nothing to say)."""
+    """The line for ranks that differ as a straggler does, by no more than taking turns on their
+    node's shared cores explains, so none is named; None when they have cores of their own
+    (stragglers() judges them), differ by more (stragglers() names them), or do not differ (a quick
+    start on a laptop keeps more threads busy than it has cores, and has nothing to say)."""
     shared = crowding(parts, hosts)
-    slow = slow_ranks(epoch, parts, hosts) if shared else []
-    if not slow:
+    if not shared:
         return None
-    most = max(slow, key=lambda straggler: straggler.seconds - straggler.others)
-    return (f"rank times not comparable: {most.gap()}, but {shared}, so they take turns and no rank is named a "
-            "straggler; to compare them, give each rank its own cores "
+    named = {(slow.rank, slow.part) for slow in stragglers(epoch, parts, hosts)}
+    within = [slow for slow in slow_ranks(epoch, parts, hosts, turns_explain=False) if (slow.rank, slow.part) not in named]
+    if not within:
+        return None
+    most = max(within, key=lambda straggler: straggler.seconds - straggler.others)
+    return (f"rank times not comparable: {most.gap()}, but {shared}, and taking turns on them can explain that "
+            "much, so it is not named a straggler; to compare them, give each rank its own cores "
             "(fewer --workers per node, --cpus-per-worker or --data-workers)")
 
 
