@@ -212,3 +212,37 @@ def test_the_rest_of_a_head_is_killed_once_its_raylet_is_gone_not_after_the_grac
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "raylet" in seen["names"] and seen["left"] == {}, seen
     assert seen["took"] < keeper.GRACE_S * 0.75, seen  # the stubborn one did not get the whole grace
+
+
+HEAD_THAT_FORKS = """
+import ctypes, os, subprocess, sys, time
+
+# As `ray start`: a child named raylet, which forks a worker that bears its name until it would exec.
+raylet = '''
+import ctypes, os, time
+ctypes.CDLL(None).prctl(15, b"raylet")
+if os.fork() == 0:
+    time.sleep(1.5)  # a worker seen before its exec, which then ends
+    os._exit(0)
+time.sleep(60)
+'''
+subprocess.Popen([sys.executable, "-c", raylet])
+time.sleep(60)
+"""
+
+
+def test_a_worker_the_raylet_forked_is_not_taken_for_the_raylet(tmp_path):
+    """The keeper watches `ray start`'s own children. It once took a worker, seen forked from the raylet
+    before its exec (so named raylet), for the raylet, and ended a sweep's private Ray when that worker
+    exited: `the private Ray's raylet (pid 11632) ended`, then `Failed to connect to GCS`."""
+    read, write = os.pipe()
+    proc = subprocess.Popen([sys.executable, keeper.__file__, str(os.getpid()), str(read), "0", str(tmp_path),
+                             sys.executable, "-c", HEAD_THAT_FORKS], pass_fds=(read,))
+    os.close(read)
+    deadline = time.monotonic() + 6.0  # the worker ends 1.5 s in; the keeper looks every 0.25 s
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.25)
+    os.close(write)  # as the driver's end: the keeper ends the head
+    status = proc.wait(timeout=30)
+    assert not (tmp_path / keeper.LOST).exists(), (tmp_path / keeper.LOST).read_text()
+    assert status == 0

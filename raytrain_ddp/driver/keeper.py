@@ -76,6 +76,16 @@ def processes() -> dict[int, tuple[int, str, str]]:
     return found
 
 
+def parent(pid: int) -> int | None:
+    """The parent of `pid`, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 def descendants(root: int) -> dict[int, str]:
     """Every live (not zombie) descendant of `root`: pid -> comm."""
     table = processes()
@@ -189,7 +199,11 @@ def keep(watch_fd: int, directory: Path, head_cmd: list[str]) -> int:
             (directory / DYING).touch()
             lost = describe(head, statuses, core, gone, directory)
             break
-        core |= {pid: comm for pid, comm in alive.items() if comm in CORE}
+        # The core are `ray start`'s own children: a worker the raylet forks bears the raylet's name
+        # until it execs, and one taken for the raylet then ended the head when the worker exited
+        # (seen in a sweep on a busy 2-core machine: "the private Ray's raylet (pid 11632) ended").
+        core |= {pid: comm for pid, comm in alive.items() if comm in CORE and pid not in core
+                 and parent(pid) == head.pid}
     if lost:  # said before the rest is ended, so the driver can say it at once
         tmp = directory / f"{LOST}.tmp"
         tmp.write_text(lost + "\n")
