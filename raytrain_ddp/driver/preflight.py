@@ -84,8 +84,6 @@ def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bo
     checked = check_request(cfg, model, dataset, trains=trains)
     made = run_lock.made_by(checked.run_dir)
     run_lock.take(checked.run_dir)  # before anything is moved, started or said: a live driver's name is refused alone
-    if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
-        say(without)  # a launched script has no drain notices of ours
     try:
         return fit_to_cluster(checked, trains, stop_check, say)
     except BaseException:
@@ -100,6 +98,9 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
     marks = {"checks": time.time()}
     session.connect(checked.cfg)
     marks["connect"] = time.time()
+    # Once joined: a driver that Ray refuses has its one line to say, and nothing else.
+    if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
+        say(without)  # a launched script has no drain notices of ours
     stop_check()
     nodes, free_cpus = wait_for_room(checked.cfg, stop_check, say)
     cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus, say))

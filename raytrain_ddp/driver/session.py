@@ -39,10 +39,6 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
     if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
         return
     address = ray_address(cfg)
-    quiet = dict(
-        logging_level=logging.INFO if cfg.verbose else logging.WARNING,
-        log_to_driver=cfg.verbose,
-    )
     if address is None:
         # Our own head, by its address and token: never whatever Ray this machine last started
         # (None or "auto"), which may be another user's or another job's.
@@ -50,7 +46,10 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
             quiet_ray_notices()
         private = private_ray_up(cfg)
         use_token_auth(str(private.token))
-        ray.init(address=private.address, runtime_env=runtime_env, **quiet)
+        join(private.address, runtime_env, cfg.verbose, private.directory / "driver-connect.log",
+             refused=f"this driver's private Ray at {private.address} refused its own token (a bug of raytrain's: "
+                     f"please report it); its logs: {private.directory}",
+             fix=f"its logs: {private.directory}")
         return
     if address == "auto":
         raise ConfigError("--address auto could join someone else's Ray; give the cluster's host:port")
@@ -58,30 +57,47 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
     if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
         # A driver that names an address does not turn token auth on by itself, even with a token.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    with stderr_captured(not cfg.verbose) as log:
-        # Before ray.init: across releases it may not get far enough to say (a 2.52 driver retries,
-        # for most of a minute, a key a 2.60 cluster no longer writes); a driver must run the cluster's Ray.
-        theirs = None if address.startswith("ray://") else cluster_ray_version(address)
+    join(address, runtime_env, cfg.verbose, None,
+         refused=f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to the cluster's "
+                 "token file (and RAY_AUTH_MODE=token)",
+         fix="check --address or $RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and "
+             "RAY_AUTH_TOKEN_PATH")
+    _joined = GcsWatch(address) if not address.startswith("ray://") else None
+
+
+def join(address: str, runtime_env: dict[str, Any] | None, verbose: bool, log_to: Path | None, refused: str,
+         fix: str) -> None:
+    """ray.init at `address`, or one line (ConfigError) that says why not: `refused` where the cluster
+    refuses our token, else the reason and `fix`. Ray's C++ core logs every retry on stderr, a line
+    a second for most of a minute: those lines go to `log_to` (a temporary file where None)."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    with stderr_captured(not verbose, log_to) as log:
+        try:
+            # Before ray.init: a refused token is known here in milliseconds (ray.init retries it for
+            # 20 s), and across releases ray.init may not get far enough to say the versions differ (a
+            # 2.52 driver retries, for most of a minute, a key a 2.60 cluster no longer writes).
+            theirs = None if address.startswith("ray://") else cluster_ray_version(address)
+        except AuthenticationError:
+            raise ConfigError(refused) from None
         if theirs and (mismatch := version_mismatch(address, theirs, ray.__version__)):
             raise ConfigError(mismatch)
         try:
-            ray.init(address=address, runtime_env=runtime_env, **quiet)
-            _joined = GcsWatch(address) if not address.startswith("ray://") else None
+            ray.init(address=address, runtime_env=runtime_env,
+                     logging_level=logging.INFO if verbose else logging.WARNING, log_to_driver=verbose)
             return
-        except (ConnectionError, RuntimeError) as err:
+        except (ConnectionError, RuntimeError, AuthenticationError) as err:
             if mismatch := ray_mismatch(address, str(err)):
                 raise ConfigError(mismatch) from None
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            refused = log is not None and "InvalidAuthToken" in log.read_text(errors="replace")
-    if refused:
-        raise ConfigError(
-            f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to "
-            "the cluster's token file (and RAY_AUTH_MODE=token)"
-        )
-    raise ConfigError(
-        f"cannot connect to the Ray cluster at {address} ({reason}); check --address or "
-        "$RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH"
-    )
+            said = log.read_text(errors="replace") if log is not None else ""
+            token_refused = isinstance(err, AuthenticationError) or "InvalidAuthToken" in said
+    if token_refused:
+        raise ConfigError(refused)
+    if lost := ray_lost(wait_s=LOST_SETTLE_S):
+        raise ConfigError(f"cannot connect to the Ray cluster at {address}: {lost}; {fix}")
+    raise ConfigError(f"cannot connect to the Ray cluster at {address} ({reason}); {fix}")
 
 
 _private: PrivateRay | None = None
@@ -202,16 +218,19 @@ def ray_mismatch(address: str, refusal: str) -> str | None:
 
 
 @contextlib.contextmanager
-
-
-def stderr_captured(enabled: bool) -> Iterator[Path | None]:
-    """Send fd 2 to a file: Ray's C++ core logs each connection retry there, a line a second."""
+def stderr_captured(enabled: bool, log_to: Path | None = None) -> Iterator[Path | None]:
+    """Send fd 2 to `log_to` (appended; a temporary file where None): Ray's C++ core logs each
+    connection retry there, a line a second."""
     if not enabled:
         yield None
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.NamedTemporaryFile(prefix="raytrain-connect-", suffix=".log") as log:
+    with contextlib.ExitStack() as files:
+        if log_to is None:
+            log = files.enter_context(tempfile.NamedTemporaryFile(prefix="raytrain-connect-", suffix=".log"))
+        else:
+            log = files.enter_context(open(log_to, "ab"))
+        sys.stderr.flush()
+        saved = os.dup(2)
         os.dup2(log.fileno(), 2)
         try:
             yield Path(log.name)

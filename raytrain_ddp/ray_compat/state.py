@@ -101,14 +101,18 @@ def token_auth_enabled() -> bool:
 
 def use_token_auth(token_path: str) -> None:
     """Connect with the token in `token_path` from now on. Ray's core reads RAY_AUTH_MODE once, as
-    ray._raylet loads, so the variables alone come too late in a process that imported Ray already."""
+    ray._raylet loads, and its token once, at first use: the variables alone come too late in a
+    process that imported Ray already, so both caches are read again."""
     os.environ.pop("RAY_AUTH_TOKEN", None)  # Ray reads it before the path
     os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
     try:
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+        from ray._raylet import AuthenticationTokenLoader, Config
     except ImportError:  # a Ray without token auth
         return
-    _enable_token_auth()  # Ray's own way to make its cached config see the mode
+    # What 2.60's _enable_token_auth does; 2.52 has no such call, and its driver then connected with
+    # no token, refused by its own private head (#49).
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def quiet_ray_notices() -> None:
@@ -178,7 +182,10 @@ def cluster_ray_version(address: str, timeout_s: float = 10.0) -> str | None:
     """The Ray release the cluster at `address` (host:port of its GCS) runs, as its GCS records it
     for Ray's own version check; read before ray.init, which across releases may not get far enough
     to say (a 2.52 driver retries, for most of a minute, a key a 2.60 GCS no longer has). None where
-    it cannot be read."""
+    it cannot be read. Raises Ray's AuthenticationError, in milliseconds, where the GCS refuses this
+    process's token."""
+    from ray.exceptions import AuthenticationError
+
     try:
         from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
         from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
@@ -187,5 +194,7 @@ def cluster_ray_version(address: str, timeout_s: float = 10.0) -> str | None:
         raw = GcsClient(address=address).internal_kv_get(CLUSTER_METADATA_KEY, namespace=KV_NAMESPACE_CLUSTER,
                                                          timeout=timeout_s)
         return str(json.loads(raw)["ray_version"]) if raw else None
+    except AuthenticationError:
+        raise
     except Exception:  # an older layout of Ray's modules, or a GCS that does not answer: Ray's own check
         return None
