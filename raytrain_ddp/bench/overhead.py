@@ -33,7 +33,7 @@ import yaml
 from raytrain_ddp.bench.data import make_jpegs, process_tree
 from raytrain_ddp.bench.local_ray import local_head
 from raytrain_ddp.bench.regimes import GPU_COMPUTE, REGIMES, Regime, write_tensors
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import LOADER_WORKERS, TrainConfig
 from raytrain_ddp.driver.metrics import read_csv
 from raytrain_ddp.driver.scale import steady
 from raytrain_ddp.driver.startup import LAUNCH_STAGES, RUN_STAGES, stages, stages_line
@@ -64,7 +64,9 @@ def regime_config(cfg: TrainConfig, regime: Regime, overrides: dict[str, Any], w
         own["image_size"] = regime.shape[-1]
     own.update({k: v for k, v in overrides.items() if v is not None})
     given_dir = cfg.data_dir
-    cfg = dataclasses.replace(cfg, **own, data_workers=cfg.data_workers if regime.loader_workers else 0)
+    # Both arms load alike: the regime's data in memory in the rank, or as many loader processes each.
+    workers = cfg.data_workers if cfg.data_workers is not None else LOADER_WORKERS
+    cfg = dataclasses.replace(cfg, **own, data_workers=workers if regime.loader_workers else 0)
     if cfg.dataset == "imagefolder":
         # make_jpegs puts 1 image in 50 in val/
         tree = given_dir or str(make_jpegs(workdir / f"{regime.name}-jpegs", cfg.train_samples * 50 // 49 + 1))

@@ -26,6 +26,8 @@ class Loaders(NamedTuple):
     in_channels: int
     skipped: Callable[[], int]
     """Unreadable samples this rank dropped so far this epoch (train + val; only with --skip-bad)."""
+    loader_workers: int
+    """The loader's worker processes per rank (0: it loads in the rank)."""
 
 
 class SkipCount:

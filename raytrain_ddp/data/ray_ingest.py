@@ -87,7 +87,7 @@ def ray_loaders(cfg: TrainConfig, world_size: int) -> Loaders:
     return Loaders(
         Batches(train, skips, train=True, skip_bad=cfg.skip_bad), Batches(val, skips, train=False, skip_bad=cfg.skip_bad),
         set_epoch, steps, rows,
-        int(manifest["channels"]), lambda: skips.count,
+        int(manifest["channels"]), lambda: skips.count, 0,
     )
 
 

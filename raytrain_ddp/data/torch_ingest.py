@@ -15,16 +15,17 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import time
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset, get_worker_info
 
-from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.config import LOADER_WORKERS, TrainConfig
 from raytrain_ddp.data.batches import Batches, Loaders, SkipCount
 from raytrain_ddp.data.loader_workers import worker_start
-from raytrain_ddp.data.registry import Data, dataset_builder
+from raytrain_ddp.data.registry import DATASETS, Data, dataset_builder
 
 
 def epoch_shard(n: int, world_size: int, rank: int, seed: int, epoch: int, start: int = 0) -> list[int]:
@@ -139,17 +140,19 @@ def torch_loaders(
     """
     data = (build or dataset_builder(cfg.dataset))(cfg)
     sampler = EpochSampler(len(data.train), world_size, rank, cfg.seed)
+    samples = PerSampleRandom(data.train, cfg.seed)
+    workers = cfg.data_workers if cfg.data_workers is not None else default_workers(cfg, samples)
     common = dict(
         batch_size=cfg.batch_size,
-        num_workers=cfg.data_workers,
+        num_workers=workers,
         pin_memory=cuda,  # pinned host memory only helps host-to-GPU copies
-        persistent_workers=cfg.data_workers > 0,
+        persistent_workers=workers > 0,
     )
-    if cfg.data_workers > 0:  # a forkserver's workers, not forks of this many-threaded rank (loader_workers.py)
+    if workers > 0:  # a forkserver's workers, not forks of this many-threaded rank (loader_workers.py)
         common["multiprocessing_context"] = worker_start([data.train, data.val])
     # Its own generator: a DataLoader seeds its workers from the global torch stream otherwise, and
     # a resumed run, which makes one more iterator, would then draw its dropout from another place.
-    train = DataLoader(PerSampleRandom(data.train, cfg.seed), sampler=sampler, generator=torch.Generator().manual_seed(cfg.seed), **common)
+    train = DataLoader(samples, sampler=sampler, generator=torch.Generator().manual_seed(cfg.seed), **common)
     val = DataLoader(Subset(data.val, range(rank, len(data.val), world_size)), shuffle=False, generator=torch.Generator(), **common)
     skips = SkipCount()
 
@@ -166,4 +169,38 @@ def torch_loaders(
         len(data.train),
         data.in_channels,
         lambda: skips.count,
+        workers,
     )
+
+
+IN_MEMORY_S = 10e-6
+"""A training sample that reads in less than this is in memory already (a TensorDataset's row, not a
+generated or decoded image: docs/data.md has the reads measured). Loader processes would give such a
+rank nothing but, for each batch, the cost of moving it from one process to another, and more
+processes to share the cores with."""
+READS = (5, 8)
+"""How a sample's read is timed: the best of 5 rounds of 8 reads (the best: a busy machine only adds)."""
+
+
+def default_workers(cfg: TrainConfig, samples: PerSampleRandom) -> int:
+    """The loader processes of a run that leaves --data-workers unset: LOADER_WORKERS for our own
+    datasets, which generate or decode every sample; for the user's (--dataset MODULE:FN, or the
+    Python API's), none where it is in memory already (IN_MEMORY_S). Which it is changes nothing that
+    is trained: each sample's randomness is its own, in any process."""
+    if cfg.dataset in DATASETS:
+        return LOADER_WORKERS  # and reading ours here would import torchvision into the rank, 2 s
+    rounds, reads = READS
+    n, best = len(samples), math.inf
+    try:
+        started = time.perf_counter()
+        samples[(0, 0)]  # plainly read from somewhere else (a file, a decoder): no need to look again
+        if time.perf_counter() - started > 100 * IN_MEMORY_S:
+            return LOADER_WORKERS
+        for r in range(rounds):
+            started = time.perf_counter()
+            for i in range(reads):
+                samples[(0, (r * reads + i) * 7919 % n)]
+            best = min(best, (time.perf_counter() - started) / reads)
+    except Exception:  # a bad sample is the loader's to report (--skip-bad), in any process
+        return LOADER_WORKERS
+    return 0 if best < IN_MEMORY_S else LOADER_WORKERS

@@ -148,7 +148,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         announce(cfg, sink, state, resumed, ranks, loaders.steps_per_epoch, marks)
     profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line))
     run = Setup(cfg, sink, rank, world_size, device, loaders, model, optimizer, scaler, amp_dtype, accum,
-                checkpointer, profiler, PartClock(model, device, cfg.data_workers if cfg.loader == "torch" else 0))
+                checkpointer, profiler, PartClock(model, device, loaders.loader_workers))
 
     # [5] Epochs: a pass of optimizer steps, then validation and the epoch's checkpoint.
     control = Control.new(rank, sink, amp_dtype, device)

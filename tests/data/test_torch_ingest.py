@@ -308,3 +308,40 @@ def test_a_tensor_dataset_is_read_without_seeding_and_any_other_seeds_every_stre
         pass
 
     assert PerSampleRandom(Yours(torch.arange(4.0)), seed=0).streams == tuple(STREAMS)
+
+
+# --- how many loader processes, where --data-workers is left unset ---
+
+class SlowReads(torch.utils.data.Dataset):
+    """A user's dataset that reads each sample from somewhere (here: 1 ms of waiting)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import time
+
+        time.sleep(0.001)
+        return torch.zeros(8), index % 4
+
+
+def test_left_unset_the_loader_runs_in_the_rank_only_for_a_users_data_in_memory():
+    """A user's TensorDataset reads a sample in microseconds: loader processes would only move each
+    batch between processes (a third of the loop by hand's speed, 2 ranks on 2 cores). A user's data
+    read from somewhere, and ours, which generate or decode each sample, keep 2; --data-workers, given,
+    is taken as it is."""
+    from raytrain_ddp.config import LOADER_WORKERS, TrainConfig
+    from raytrain_ddp.data.registry import Data
+    from raytrain_ddp.data.torch_ingest import torch_loaders
+
+    in_memory = TensorDataset(torch.randn(256, 8), torch.randint(0, 4, (256,)))
+
+    def workers(dataset, name="mine:data", **flags):
+        cfg = TrainConfig(dataset=name, num_classes=4, batch_size=8, **flags)
+        return torch_loaders(cfg, 0, 1, cuda=False, build=lambda _: Data(dataset, dataset, 1)).loader_workers
+
+    assert LOADER_WORKERS == 2
+    assert workers(in_memory) == 0
+    assert workers(SlowReads()) == LOADER_WORKERS
+    assert workers(in_memory, data_workers=1) == 1 and workers(SlowReads(), data_workers=0) == 0
+    assert workers(in_memory, name="synthetic") == LOADER_WORKERS  # ours: not even read to tell
