@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +140,8 @@ def raytrain(*args: str, env: dict[str, str] | None = None, timeout: float = 300
     )
 
 
+RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+:")
+"""A line of Ray's C++ log, as its core writes it on stderr (`[2026-11-28 21:58:22,760 W 2953 2953] gcs_client.cc:205: ...`)."""
 TINY = ["--epochs", "1", "--train-samples", "256", "--val-samples", "64", "--batch-size", "32",
         "--data-workers", "0", "--progress", "plain"]
 """A run small enough for CI: the point is the plumbing, not the model."""

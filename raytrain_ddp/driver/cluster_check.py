@@ -66,6 +66,7 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     except Exception as err:  # the per-rank reports below say which rank and node
         error = err
     reports = sorted((results.get_nowait() for _ in range(results.qsize())), key=lambda r: r["rank"])
+    ray.shutdown()  # done with Ray: left to the exit, its end printed a line of its C++ log (a "lost object")
     failed = [r for r in reports if not r["ok"]]
     for r in failed:
         print(f"FAIL  rank {r['rank']} on {r['host']} ({r['ip']}): {r['error']}")
