@@ -63,27 +63,26 @@ def processes() -> dict[int, tuple[int, str, str]]:
     """Every process now: pid -> (parent pid, comm, state), from /proc."""
     found = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        found[int(entry)] = (int(ppid), comm, state)
+        if entry.isdigit() and (seen := process(int(entry))) is not None:
+            found[int(entry)] = seen
     return found
 
 
-def parent(pid: int) -> int | None:
-    """The parent of `pid`, None once it is gone."""
+def process(pid: int) -> tuple[int, str, str] | None:
+    """(parent pid, comm, state) of `pid`, from /proc; None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
-    except OSError:
+    except OSError:  # gone meanwhile
         return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
+    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+    return int(ppid), comm, state
+
+
+def parent(pid: int) -> int | None:
+    seen = process(pid)
+    return seen[0] if seen is not None else None
 
 
 def descendants(root: int) -> dict[int, str]:
