@@ -122,13 +122,14 @@ def slow_in(epoch: int, part: str, r: int, parts: list[dict[str, Any]], hosts: l
     gaps = [m - t - q for m, t, q in zip(mine, theirs, turns)]
     noise = statistics.median(spread([per_step(rank, w)[i] for w in judged]) for rank in others)
     slower = SHARED_SLOWER if shares and not parts[r]["gpu"] else SLOWER
-    if min(gaps) <= noise or sum(mine) - sum(turns) < (1 + slower) * sum(theirs) or sum(gaps) < FLOOR * sum(steps):
-        return None
+    # Taking turns on too few cores stretches a rank's work at most this many times (turns_bound).
     stretch = turns_bound(parts, hosts).get(host_of(hosts, r), 1.0) if turns_explain else 1.0
-    if stretch > 1.0:
-        own = [statistics.median(sum(per_step(rank, w)[OWN_AT]) for rank in others) for w in judged]
-        if sum(mine) - sum(turns) < stretch * (1 + slower) * sum(theirs) or sum(gaps) < (stretch - 1) * sum(own):
-            return None
+    if (min(gaps) <= noise or sum(mine) - sum(turns) < stretch * (1 + slower) * sum(theirs)
+            or sum(gaps) < FLOOR * sum(steps)):
+        return None
+    own = [statistics.median(sum(per_step(rank, w)[OWN_AT]) for rank in others) for w in judged]
+    if sum(gaps) < (stretch - 1) * sum(own):
+        return None
     counts = [parts[r]["window_steps"][w] for w in judged]
     seconds, others_seconds = (sum(v * n for v, n in zip(values, counts)) for values in (mine, theirs))
     return Straggler(epoch, r, host_of(hosts, r), part, seconds, others_seconds, len(judged),
