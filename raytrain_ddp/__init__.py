@@ -25,6 +25,6 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None) -> dict[str, A
     their next agreed step and stop, then raises KeyboardInterrupt (a second Ctrl-C stops at once);
     the same call resumes from the checkpoint.
     """
-    from raytrain_ddp.driver import run as driver
+    from raytrain_ddp.driver.run import command as driver
 
     return driver.run(cfg, model=model, dataset=dataset)

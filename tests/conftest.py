@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def model_shapes_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The drivers' cache of built-in models' shapes (driver/model_shapes.py) in the session's temp
+    """The drivers' cache of built-in models' shapes (driver/plan/model_shapes.py) in the session's temp
     dir, not the user's ~/.cache; every driver a test starts inherits it."""
     root = tmp_path_factory.mktemp("xdg-cache")
     os.environ["XDG_CACHE_HOME"] = str(root)

@@ -25,7 +25,7 @@ from raytrain_ddp.doctor.bad_nodes import (
     record_bad_node,
     stall_hosts,
 )
-from raytrain_ddp.driver.stops import NodeFailed
+from raytrain_ddp.stops import NodeFailed
 from raytrain_ddp.errors import EXIT_BAD_NODE
 
 

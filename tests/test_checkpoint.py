@@ -20,7 +20,7 @@ from conftest import raytrain, wait_for
 from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE
 from raytrain_ddp.checkpoint.files import latest_checkpoint as resumes_from
 from raytrain_ddp.data.torch_ingest import sample_seed
-from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.run_files import read_csv
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from raytrain_ddp.checkpoint.files import (
     RESUME_INFO, SHARDS, SNAPSHOT, STATE, checkpoint_problem, latest_checkpoint, rank_file, resume_choice, set_aside,
 )
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.run_files import read_csv
 
 OLD, NEW = "checkpoint_2026-01-01_00-00-01.0", "checkpoint_2026-01-01_00-00-02.0"
 RAY = metadata.version("ray")

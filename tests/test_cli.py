@@ -18,16 +18,16 @@ from test_profiling import check_profiled_run
 from raytrain_ddp.checkpoint.files import STATE, latest_checkpoint
 from raytrain_ddp.cli import main
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.driver.metrics import CSV_COLUMNS, read_csv
-from raytrain_ddp.driver.model_shapes import model_shapes
-from raytrain_ddp.driver.private_ray import runs_dir
-from raytrain_ddp.driver.startup import RUN_STAGES, stages_line
+from raytrain_ddp.run_files import CSV_COLUMNS, read_csv
+from raytrain_ddp.driver.plan.model_shapes import model_shapes
+from raytrain_ddp.driver.session.private import runs_dir
+from raytrain_ddp.driver.core.startup import RUN_STAGES, stages_line
 
 
 @pytest.mark.e2e
 def test_run_starts_a_local_ray_and_learns(tmp_path):
     """The README's first command, with no cluster around: a private local Ray on CPU. Its model
-    was built before (the cache of driver/model_shapes.py), so its driver never imports torch."""
+    was built before (the cache of driver/plan/model_shapes.py), so its driver never imports torch."""
     model_shapes(TrainConfig(), None, 3)
     private_rays = set(runs_dir().iterdir())
     proc = subprocess.run(

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import TINY, raytrain, wait_for
 
-from raytrain_ddp.driver.run import describe_resize, profile_lines, resize_reason
-from raytrain_ddp.driver.metrics import read_csv
-from raytrain_ddp.driver.sink import Sink
-from raytrain_ddp.driver.progress import Display
+from raytrain_ddp.driver.run.command import describe_resize, profile_lines, resize_reason
+from raytrain_ddp.run_files import read_csv
+from raytrain_ddp.driver.run.sink import Sink
+from raytrain_ddp.driver.run.progress import Display
 
 
 def row(epoch: int, loss: float) -> dict:
@@ -132,7 +132,7 @@ def test_ctrl_c_checkpoints_exits_130_and_the_same_command_resumes(ray_head, tmp
     assert err.strip().splitlines()[-1].startswith("stopped: stopped at once by a second Ctrl-C"), err[-2000:]
 
     # While the rerun trains, a second driver on its --name is refused in one line that names it,
-    # before any Ray or rank (driver/run_lock.py; here and not in a run of its own: CI time).
+    # before any Ray or rank (driver/plan/run_lock.py; here and not in a run of its own: CI time).
     again = start(args, ray_head.env)
     try:
         seen = wait_for_line(again, "run c: 2 gloo workers")
@@ -217,7 +217,7 @@ def test_a_restart_that_finds_no_checkpoint_is_recorded_and_its_epoch_shown_agai
 def test_a_joined_clusters_gcs_that_stops_answering_is_said_gone_within_seconds():
     import socket
 
-    from raytrain_ddp.driver.session import GCS_LOST_S, GcsWatch
+    from raytrain_ddp.driver.session.connect import GCS_LOST_S, GcsWatch
 
     listener = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{listener.getsockname()[1]}"

@@ -1,5 +1,5 @@
 """The pre-flight health check: the verdict on figures (doctor/health.py) and the pairing of nodes
-(worker/health_check.py). A node made slow for real, named before the first step and left out when
+(worker/measure/health_check.py). A node made slow for real, named before the first step and left out when
 the job requeues, is tests/test_slurm.py's; the quiet one-node case (its stage, summary.json's
 figures) is checked in test_cli.py's run."""
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from raytrain_ddp.doctor.health import NodeHealth, best_of, slow_nodes, table
-from raytrain_ddp.driver.stops import UnhealthyNode
-from raytrain_ddp.worker.health_check import machine_id, pairings, shares_cores
+from raytrain_ddp.stops import UnhealthyNode
+from raytrain_ddp.worker.measure.health_check import machine_id, pairings, shares_cores
 
 
 def node(i: int, gemm: float, link: float | None = None, gpu: bool = False, shared: bool = False) -> NodeHealth:
@@ -95,7 +95,7 @@ def test_the_machine_is_the_same_in_another_network_and_hostname_namespace():
     here = machine_id()
     assert here and here != socket.gethostname()  # Linux: the kernel's boot id
     other = subprocess.run(["unshare", "--uts", "--net", "sh", "-c", f"hostname elsewhere && {sys.executable} -c "
-                            "'from raytrain_ddp.worker.health_check import machine_id; print(machine_id())'"],
+                            "'from raytrain_ddp.worker.measure.health_check import machine_id; print(machine_id())'"],
                            capture_output=True, text=True, timeout=60)
     if other.returncode != 0:
         pytest.skip(f"no namespaces here (unshare needs root): {other.stderr.strip()[-200:]}")

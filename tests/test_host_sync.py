@@ -1,5 +1,5 @@
 """The ranks at full speed: no host sync inside a training step (worker/host_sync.py), and ranks, with
-their loader workers, at nice 0 on a Ray that raytrain starts (driver/session.py FULL_PRIORITY)."""
+their loader workers, at nice 0 on a Ray that raytrain starts (driver/session/connect.py FULL_PRIORITY)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from conftest import TINY
 
 from raytrain_ddp.doctor.ranks import RankProcess, ranks_from
-from raytrain_ddp.driver.run import niced
+from raytrain_ddp.driver.run.command import niced
 from raytrain_ddp.worker import host_sync
 
 

@@ -13,11 +13,11 @@ import time
 import pytest
 from conftest import REPO
 
-from raytrain_ddp.driver.hub import TEARDOWN_WAIT_S, Attempt
-from raytrain_ddp.launch_output import mark
-from raytrain_ddp.launch_records import TEARDOWN_ABORT, RankExit, ScriptError, StopReason, exit_status
-from raytrain_ddp.worker.agent import child_env, torchrun_env
-from raytrain_ddp.worker.supervisor import Stopper, pump
+from raytrain_ddp.launch.hub import TEARDOWN_WAIT_S, Attempt
+from raytrain_ddp.launch.output import mark
+from raytrain_ddp.launch.records import TEARDOWN_ABORT, RankExit, ScriptError, StopReason, exit_status
+from raytrain_ddp.launch.agent import child_env, torchrun_env
+from raytrain_ddp.launch.supervisor import Stopper, pump
 
 
 def peer(rank: int, node_rank: int, local_rank: int, gpus: list[str], ip: str, port: int | None = None) -> dict:
@@ -185,7 +185,7 @@ def test_a_rank_that_already_exited_is_not_signalled():
 
 JOIN_ALL = """
 import sys, time, ray
-from raytrain_ddp.driver.hub import LaunchHub, hub_options
+from raytrain_ddp.launch.hub import LaunchHub, hub_options
 n = int(sys.argv[1])
 ray.init(logging_level="ERROR")
 hub = LaunchHub.options(**hub_options(n)).remote()

@@ -1,9 +1,9 @@
-"""A launched script's output as text (launch_output.py): one rank mark, `\r` updates settled for a
+"""A launched script's output as text (launch/output.py): one rank mark, `\r` updates settled for a
 file, and the last traceback a rank printed, found without torch's `@record`."""
 
 from __future__ import annotations
 
-from raytrain_ddp.launch_output import ended_on_traceback, last_traceback, mark, settled, unmark
+from raytrain_ddp.launch.output import ended_on_traceback, last_traceback, mark, settled, unmark
 
 # What torch's excepthook prints once a process group exists: every line marked, blank lines bare.
 RAISED = """\

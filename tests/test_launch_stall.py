@@ -1,4 +1,4 @@
-"""`raytrain launch`'s stall watch (doctor/launch_watch.py) and `raytrain stack` (doctor/stack.py): a
+"""`raytrain launch`'s stall watch (doctor/launch_watch.py) and `raytrain stack` (driver/look/stack.py): a
 launched script's rank stuck for good is named, with its frame, seconds after every rank's stack
 stopped moving; and every rank's stack can be printed while the run goes on."""
 

@@ -13,8 +13,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "raytrain_ddp"
-DRIVER_SIDE = ("raytrain_ddp.cli", "raytrain_ddp.driver")
-"""The CLI and the driver side: what runs in the process the user started."""
+DRIVER_SIDE = ("raytrain_ddp.cli", "raytrain_ddp.driver", "raytrain_ddp.sweep", "raytrain_ddp.jobs",
+               "raytrain_ddp.launch.command", "raytrain_ddp.launch.hub")
+"""The CLI and the driver side: what runs in the process the user started (and the launch hub, an
+actor beside it)."""
+RANK_SIDE = ("raytrain_ddp.worker", "raytrain_ddp.launch.agent", "raytrain_ddp.launch.supervisor")
+"""What runs on the ranks: the loop and its parts, and launch's agent and the script's supervisor."""
 
 
 def driver_side(name: str) -> bool:
@@ -90,7 +94,7 @@ def reachable(name: str) -> set[str]:
 
 
 def test_the_reader_sees_every_module():
-    assert {"raytrain_ddp.worker.loop", "raytrain_ddp.config", "raytrain_ddp.data.registry", "raytrain_ddp.driver.jobs"} <= set(MODULES)
+    assert {"raytrain_ddp.worker.loop", "raytrain_ddp.config", "raytrain_ddp.data.registry", "raytrain_ddp.jobs.command"} <= set(MODULES)
     assert "raytrain_ddp.data.formats" in project_imports("raytrain_ddp.data.registry")  # a from-import of a module
     assert "raytrain_ddp.data.ray_ingest" in project_imports("raytrain_ddp.data.loaders")  # a lazy one
 
@@ -101,18 +105,55 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_the_worker_loop_never_reaches_the_cli_or_the_driver():
-    entries = sorted(n for n in MODULES if n.startswith("raytrain_ddp.worker."))
+    entries = sorted(n for n in MODULES if any(n == r or n.startswith(r + ".") for r in RANK_SIDE))
     worker_side = set(entries).union(*(reachable(e) for e in entries))
     assert sorted(m for m in worker_side if driver_side(m)) == []
 
 
 def test_what_the_workers_run_lives_outside_the_drivers():
-    """TorchTrainer's function for `run` is in worker/entry.py and the launch agent's in worker/agent.py,
+    """TorchTrainer's function for `run` is in worker/entry.py and the launch agent's in launch/agent.py,
     so the driver side holds only what runs on the driver."""
     defined = {name: {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)} for name, path in MODULES.items()}
     assert "train_entry" in defined["raytrain_ddp.worker.entry"]
-    assert "run_script" in defined["raytrain_ddp.worker.agent"]
+    assert "run_script" in defined["raytrain_ddp.launch.agent"]
     assert sorted(n for n in MODULES if driver_side(n) and {"train_entry", "train_loop", "run_script"} & defined[n]) == []
+
+
+def test_the_doctor_imports_nothing_of_the_driver_side():
+    """The doctor's watches are asked by the drivers; what they raise (stops.py) and write
+    (run_files.py) lives on the floor that every side uses."""
+    doctor = [n for n in MODULES if n.startswith("raytrain_ddp.doctor.")]
+    assert {n: sorted(m for m in project_imports(n) if driver_side(m)) for n in doctor} == {n: [] for n in doctor}
+
+
+def test_joining_ray_imports_nothing_else_of_the_driver():
+    """driver/session/ is the driver's ground floor: the plan, the core and the commands stand on it."""
+    session = [n for n in MODULES if n.startswith("raytrain_ddp.driver.session.")]
+    assert session and {n: sorted(m for m in project_imports(n) if m.startswith("raytrain_ddp.driver.")
+                                  and not m.startswith("raytrain_ddp.driver.session")) for n in session} == {n: [] for n in session}
+
+
+@pytest.mark.parametrize("name", ["raytrain_ddp.stops", "raytrain_ddp.run_files"])
+def test_what_every_side_shares_is_light(name):
+    """The stop exceptions and the run's files are read by the CLI, the drivers and the doctor alike."""
+    assert {m.split(".")[0] for m in imported_with(name) | top_level_imports(name)} & {"torch", "torchvision", "ray"} == set()
+
+
+MOST_MODULES = 12
+"""A folder past this many modules is several rooms."""
+
+
+def test_no_folder_is_a_hall():
+    """One folder, one room: none holds more than MOST_MODULES modules, and no folder under the package
+    holds a quarter of its lines, its subfolders' included."""
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    folders = {p.parent for p in PACKAGE.rglob("*.py")}
+    crowded = {str(f.relative_to(REPO)): n for f in folders if (n := len([p for p in f.glob("*.py") if p.name != "__init__.py"])) > MOST_MODULES}
+    total = sum(lines.values())
+    share = {str(f.relative_to(REPO)): round(sum(lines[module_name(p)] for p in f.rglob("*.py")) / total, 2)
+             for f in folders if f != PACKAGE}
+    assert crowded == {}
+    assert {f: s for f, s in share.items() if s > 0.25} == {}
 
 
 def test_exit_codes_are_defined_once():
@@ -243,7 +284,7 @@ def test_benchmarks_and_tools_have_no_entry_of_their_own():
     to torchrun, the generator of docs/cli.md, which a developer runs after changing a flag, and the
     private Ray's keeper, which the driver spawns by its file path."""
     entries = sorted(name for name, path in MODULES.items() if script_main(path) or "argparse" in imports(name))
-    assert entries == ["raytrain_ddp.bench.torchrun_baseline", "raytrain_ddp.cli.reference", "raytrain_ddp.driver.keeper"]
+    assert entries == ["raytrain_ddp.bench.torchrun_baseline", "raytrain_ddp.cli.reference", "raytrain_ddp.driver.session.keeper"]
 
 
 def test_checkpoint_file_names_are_light():

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.run_files import read_csv
 from raytrain_ddp.worker.models import MODELS
 from raytrain_ddp.worker.parallel import ddp_options
 from raytrain_ddp.worker.schedule import Schedule, lr_factor, new_schedule, set_lr, stretched

@@ -1,4 +1,4 @@
-"""driver/model_shapes.py: a built-in model's shapes are built once and read from the cache after,
+"""driver/plan/model_shapes.py: a built-in model's shapes are built once and read from the cache after,
 with no torch on the driver; a new key builds again, a bad cache file costs a build, and the user's
 own --model is built every time. The whole driver of the README's quick start staying torch-free on
 a warm cache is checked end to end in test_cli.py."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver import model_shapes as ms
+from raytrain_ddp.driver.plan import model_shapes as ms
 from raytrain_ddp.worker.models import MODELS
 
 CHECK = """
 import sys
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver import preflight
+from raytrain_ddp.driver.plan import preflight
 cfg = TrainConfig(workers=2, storage_path=sys.argv[1], name="shapes", model=sys.argv[2])
 plan = preflight.check_request(cfg)
 preflight.model_state(plan.cfg, plan.model_shapes)

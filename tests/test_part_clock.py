@@ -1,4 +1,4 @@
-"""The part clock (worker/part_clock.py) on a real DDP model in a one-rank process group: the parts
+"""The part clock (worker/measure/part_clock.py) on a real DDP model in a one-rank process group: the parts
 add up to the micro-batches' time, and the last gradient's hook splits backward from DDP's communication. On a
 GPU (NCCL, CUDA events) too, where there is one."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ddp.worker.part_clock import PARTS, PartClock, run_queue_s
+from raytrain_ddp.worker.measure.part_clock import PARTS, PartClock, run_queue_s
 from raytrain_ddp.worker.step import forward_backward
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

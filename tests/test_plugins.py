@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, raytrain
 from test_cli import assert_refused
 
-from raytrain_ddp.driver.metrics import read_csv
+from raytrain_ddp.run_files import read_csv
 
 USER_CODE = Path(__file__).parent / "scripts" / "user_code.py"
 FLAT = ["--model", "user_code:SkipsOnOdd", "--dataset", "user_code:vectors", "--num-classes", "4"]

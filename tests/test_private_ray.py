@@ -17,7 +17,7 @@ import pytest
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver import keeper
+from raytrain_ddp.driver.session import keeper
 from conftest import TINY
 
 GONE_S = 15.0
@@ -190,7 +190,7 @@ def test_of_several_parts_gone_at_one_look_the_one_ray_start_saw_die_is_named():
 TREE = """
 import json, os, subprocess, sys, time
 
-from raytrain_ddp.driver import keeper
+from raytrain_ddp.driver.session import keeper
 
 core = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'raylet'); print(flush=True); time.sleep(60)"
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"

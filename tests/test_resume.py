@@ -15,7 +15,7 @@ import torch
 from raytrain_ddp.checkpoint import compat as resume
 from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE, latest_checkpoint, rank_file
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.preflight import check_parts
+from raytrain_ddp.driver.plan.preflight import check_parts
 from raytrain_ddp.worker.models import convnet
 
 CFG = TrainConfig(name="r", epochs=3)

@@ -1,4 +1,4 @@
-"""One driver per run directory (driver/run_lock.py): a second driver on a live run's --name is
+"""One driver per run directory (driver/plan/run_lock.py): a second driver on a live run's --name is
 refused in one line that names the first, and the lock of a driver killed with SIGKILL is gone with
 it, so the rerun starts and resumes."""
 
@@ -15,12 +15,12 @@ import pytest
 from conftest import raytrain
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver import run_lock
+from raytrain_ddp.driver.plan import run_lock
 
 HOLD = """\
 import sys, time
 from pathlib import Path
-from raytrain_ddp.driver import run_lock
+from raytrain_ddp.driver.plan import run_lock
 run_lock.take(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(600)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.shipping import Placement
+from raytrain_ddp.driver.plan.shipping import Placement
 
 
 @pytest.mark.parametrize("directory", [Path.home(), Path("/")])

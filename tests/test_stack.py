@@ -1,4 +1,4 @@
-"""`raytrain stack` (doctor/stack.py) on a run that is not running: one line that says so. The stacks
+"""`raytrain stack` (driver/look/stack.py) on a run that is not running: one line that says so. The stacks
 of a running one: tests/test_launch_stall.py."""
 
 from __future__ import annotations

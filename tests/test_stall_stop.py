@@ -190,7 +190,7 @@ from pathlib import Path
 
 import ray
 
-from raytrain_ddp.driver.sink import MetricsSink
+from raytrain_ddp.driver.run.sink import MetricsSink
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stall_watch import StallWatch
 

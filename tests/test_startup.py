@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from raytrain_ddp.driver.startup import LAUNCH_STAGES, RUN_STAGES, process_started, stages, stages_line, summary
+from raytrain_ddp.driver.core.startup import LAUNCH_STAGES, RUN_STAGES, process_started, stages, stages_line, summary
 
 
 def test_each_stage_runs_from_the_previous_mark_in_order():
@@ -27,7 +27,7 @@ def test_a_clock_a_little_behind_shows_no_time_gained():
 def test_process_started_is_this_process_start():
     before = time.time()
     child = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5)\n"
-                            "from raytrain_ddp.driver.startup import process_started; print(process_started())"],
+                            "from raytrain_ddp.driver.core.startup import process_started; print(process_started())"],
                            capture_output=True, text=True, check=True)
     assert before - 0.1 < float(child.stdout) < before + 0.5  # its start, not when it asked (0.5 s later)
     assert process_started() < before  # this test process began before the test

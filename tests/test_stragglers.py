@@ -1,4 +1,4 @@
-"""Stragglers (worker/part_clock.py, doctor/stragglers.py): a rank slow in its data, its forward or its own
+"""Stragglers (worker/measure/part_clock.py, doctor/stragglers.py): a rank slow in its data, its forward or its own
 backward is named with its part, though DDP's all-reduce makes every rank's step as long as the slowest's;
 ranks that only differ by noise, or take turns on shared cores, are not."""
 
@@ -271,7 +271,7 @@ epoch,window,rank,steps,data_s,forward_s,backward_s,comm_s
 
 
 def recorded(windows: str, threads: int = 1, loader_workers: int = 0, cores: int = 2) -> dict[int, list[dict]]:
-    """rank_windows.csv's rows as the driver gets them from the ranks (worker/part_clock.py's gather)."""
+    """rank_windows.csv's rows as the driver gets them from the ranks (worker/measure/part_clock.py's gather)."""
     by_epoch: dict[int, dict[int, dict[str, Any]]] = {}
     for row in csv.DictReader(io.StringIO(windows)):
         rank = by_epoch.setdefault(int(row["epoch"]), {}).setdefault(int(row["rank"]), {

@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.checkpoint import files, state_dicts
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.driver.metrics import read_csv
-from raytrain_ddp.driver.model_shapes import estimate_state_mib, of
+from raytrain_ddp.run_files import read_csv
+from raytrain_ddp.driver.plan.model_shapes import estimate_state_mib, of
 from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.worker.epoch_metrics import evaluate
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
@@ -248,7 +248,7 @@ T4_NODES = [{"CPU": 16.0, "GPU": 4.0, "accelerator_type:T4": 1.0}] * 2
 
 
 def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
-    from raytrain_ddp.driver.preflight import model_state as state_preflight
+    from raytrain_ddp.driver.plan.preflight import model_state as state_preflight
     from raytrain_ddp.config import ConfigError
     from raytrain_ddp.worker.models import build_on_meta
 
@@ -271,7 +271,7 @@ def test_preflight_refuses_ddp_that_cannot_fit_a_gpu_and_names_fsdp(capsys):
 
 
 def test_dry_run_prints_the_estimate(capsys, tmp_path):
-    from raytrain_ddp.driver.run import dry_run
+    from raytrain_ddp.driver.run.command import dry_run
 
     dry_run(TrainConfig(strategy="fsdp", optimizer="adamw", workers=2, storage_path=str(tmp_path)))
     assert "adamw state about 0.7 MiB per rank under --strategy fsdp --sharding full at 2 ranks (ddp: 1.4 MiB)" \
@@ -281,7 +281,7 @@ def test_dry_run_prints_the_estimate(capsys, tmp_path):
 def test_the_estimate_of_a_ddp_only_run_names_fsdp_without_refusing_it(capsys, tmp_path):
     """--find-unused-parameters is refused under FSDP; the estimate's FSDP figure must not refuse the
     DDP run that asked for it (test_plugins' flat-vector run failed on it, exit 2)."""
-    from raytrain_ddp.driver.run import dry_run
+    from raytrain_ddp.driver.run.command import dry_run
 
     dry_run(TrainConfig(find_unused_parameters=True, workers=2, storage_path=str(tmp_path)))
     assert "under --strategy ddp at 2 ranks (fsdp: " in capsys.readouterr().err

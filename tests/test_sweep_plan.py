@@ -9,7 +9,7 @@ import pytest
 
 from raytrain_ddp.cli.commands import run_flags
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.sweep import SweepConfig, Trial, keep_plan, packing, rungs
+from raytrain_ddp.sweep.command import SweepConfig, Trial, keep_plan, packing, rungs
 
 
 def trials(n: int, workers: int = 1, cpus: int = 1, gpu: bool = False) -> list[Trial]:
@@ -42,7 +42,7 @@ def test_packing_splits_the_free_resources_and_says_what_it_leaves():
 
 
 def test_an_elastic_base_is_refused(tmp_path):
-    from raytrain_ddp.driver.sweep import sweep
+    from raytrain_ddp.sweep.command import sweep
 
     with pytest.raises(ConfigError, match="give --workers N, not 2:4"):
         sweep(TrainConfig(workers=2, max_workers=4, name="x", storage_path=str(tmp_path)), SweepConfig(space=tmp_path / "s.yaml"), [])

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver.metrics import read_csv, write_csv
-from raytrain_ddp.driver.sweep_report import (
+from raytrain_ddp.run_files import read_csv, write_csv
+from raytrain_ddp.sweep.report import (
     TrialRecord,
     best_trial,
     best_value,
@@ -196,7 +196,7 @@ def test_plots_of_trials_without_rows(records, tmp_path):
 def test_a_trial_whose_only_checkpoint_is_half_written_reports_none(tmp_path):
     """A trial stopped while its first checkpoint was written: the table shows no checkpoint, where
     the resume's ConfigError would have cost the whole sweep its report."""
-    from raytrain_ddp.driver.sweep import trial_checkpoint
+    from raytrain_ddp.sweep.command import trial_checkpoint
 
     (tmp_path / "t0" / "checkpoint_2026-11-27_18-01-48.798400").mkdir(parents=True)
     assert trial_checkpoint(tmp_path / "t0") is None

@@ -13,7 +13,7 @@ from ray.train.constants import DEFAULT_STORAGE_PATH
 from ray.tune.search.sample import Categorical, Float, Integer, LogUniform, Uniform
 
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.sweep_space import FIXED, describe, load_space, sample_trials
+from raytrain_ddp.sweep.space import FIXED, describe, load_space, sample_trials
 
 GOOD = """\
 lr: {loguniform: [1e-4, 1e-1]}

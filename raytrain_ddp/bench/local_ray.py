@@ -17,12 +17,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Iterator
 
-from raytrain_ddp.driver.ray_head import head_command, head_env, new_token
+from raytrain_ddp.driver.session.head import NodeExited, free_ports, head_command, head_env, new_token, with_fresh_ports
 
 
 @dataclass
@@ -34,20 +34,6 @@ class Head:
     """http://127.0.0.1:PORT of the dashboard and Jobs API, where asked for."""
     session_dir: Path | None = None
     """Ray's session directory (its `logs/` has every worker process's log)."""
-
-
-NODE_PORTS = range(11000, 20000)
-"""Where a node's ports are picked: above Ray's defaults (6379, 8265, 10001), below the nodes'
-worker-port blocks (20000-39999) and the OS's ephemeral range (32768 on, on Linux), where any
-outgoing connection may take a port between our picking it and Ray's binding it."""
-START_TRIES = 3
-"""How many times a node is started, with fresh ports each time, before its failure is the caller's:
-another process may still bind a port between our picking it and Ray's binding it, and `ray start`
-then exits 1."""
-
-
-class NodeExited(RuntimeError):
-    """`ray start` exited before its node was up."""
 
 
 @contextmanager
@@ -65,7 +51,7 @@ def local_head(
         # A job's `python` is the first on the head's PATH, as on a cluster whose image has Ray.
         base_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base_env.get('PATH', '')}"
 
-    def start() -> tuple[subprocess.Popen, Head]:
+    def start(attempt: int) -> tuple[subprocess.Popen, Head]:
         port, url_port, autoscaler_metrics, dashboard_metrics, *others = free_ports("127.0.0.1", 11)
         env, url, web = dict(base_env), None, ["--include-dashboard=false"]
         if dashboard:
@@ -90,7 +76,7 @@ def local_head(
                           session_dir=tmp / "ray" / "session_latest")
 
     try:
-        proc, head = with_fresh_ports(start, tmp / "ray-start.log")
+        proc, head = with_fresh_ports(start, lambda: tmp / "ray-start.log")
         try:
             yield head
         finally:
@@ -107,7 +93,7 @@ def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[N
     one's plasma socket clashes with the first's."""
     tmp = Path(tempfile.mkdtemp(prefix="rtn-", dir="/tmp"))  # short: Ray's socket paths stay < 107 bytes
 
-    def start() -> subprocess.Popen:
+    def start(attempt: int) -> subprocess.Popen:
         ports = [
             f"--{flag}={number}"
             for flag, number in zip(
@@ -135,7 +121,7 @@ def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[N
         return proc
 
     try:
-        proc = with_fresh_ports(start, tmp / "ray-start.log")
+        proc = with_fresh_ports(start, lambda: tmp / "ray-start.log")
         try:
             yield
         finally:
@@ -144,44 +130,10 @@ def joined_node(head: Head, num_cpus: int, timeout_s: float = 180) -> Iterator[N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-T = TypeVar("T")
-
-
-def with_fresh_ports(start: Callable[[], T], log: Path) -> T:
-    """`start()` again, up to START_TRIES times, while its node exits before it is up; then the error
-    says what `ray start` said last (`log` holds every try's output)."""
-    for attempt in range(1, START_TRIES + 1):
-        try:
-            return start()
-        except NodeExited as exited:
-            if attempt == START_TRIES:
-                said = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-                last = f": {said[-1][:300]}" if said else ""
-                raise NodeExited(f"{exited} ({START_TRIES} tries, each with fresh ports){last}") from None
-    raise AssertionError("unreachable")
-
-
 def spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """`ray start --block` in its own process group, its output appended to `log` (read when it fails)."""
     with log.open("a") as out:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` different TCP ports free on `host` now, from NODE_PORTS: each socket stays bound until
-    all are picked, so no port is handed out twice."""
-    with ExitStack() as stack:
-        ports = []
-        for port in random.sample(NODE_PORTS, len(NODE_PORTS)):
-            s = stack.enter_context(socket.socket())
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            ports.append(port)
-            if len(ports) == count:
-                return ports
-    raise RuntimeError(f"fewer than {count} free ports on {host} in {NODE_PORTS}")
 
 
 # `ray start` returns before its raylet has registered with the head, and on 2 busy cores a raylet

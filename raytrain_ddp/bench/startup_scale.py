@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_ddp.driver.startup import RUN_STAGES
+from raytrain_ddp.driver.core.startup import RUN_STAGES
 from raytrain_ddp.bench.local_ray import Head, joined_node, local_head
 
 IMPORTS = "import torch, torch.distributed, torchvision"

@@ -5,7 +5,7 @@ Rank 0 writes RESUME_INFO into every checkpoint (checkpointer.py): the resolved 
 it, where it stands, and the model's state-dict shapes. A change that alters what the saved position
 means is refused in one line; a safe one is applied, one line per key; the rest (how the run runs,
 not what it trains) goes through silently. No Ray and no torch here: the preflight hands in the model's
-shapes (driver/model_shapes.py).
+shapes (driver/plan/model_shapes.py).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def check_resume(
 ) -> list[str]:
     """A (re)start's fit with its checkpoint (files.resume_choice): the lines to print, or ConfigError.
     The config is compared, and the model's state-dict shapes with the checkpoint's in_channels
-    (driver/model_shapes.py) checked against the checkpoint's."""
+    (driver/plan/model_shapes.py) checked against the checkpoint's."""
     if saved is not None:
         lines = compare(saved, cfg, cfg.name)
         check_shapes(shapes, saved["model_shapes"], cfg, cfg.name)

@@ -37,8 +37,8 @@ from raytrain_ddp.cli.jobs import logs_command, status_command, stop_command, su
 from raytrain_ddp.cli.options import takes_debug
 from raytrain_ddp.cli.usage_errors import USAGE_ERROR, usage_line
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.stops import RayLost, Stopped
-from raytrain_ddp.driver.session import stop_private_ray
+from raytrain_ddp.stops import RayLost, Stopped
+from raytrain_ddp.driver.session.connect import stop_private_ray
 from raytrain_ddp.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,

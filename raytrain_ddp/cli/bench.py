@@ -88,7 +88,7 @@ def startup_scale_command(
     """Start-up stages at each world size on a simulated multi-node Ray, with control arms for Ray's
     share and the imports' share."""
     from raytrain_ddp.bench.startup_scale import bench_startup_scale
-    from raytrain_ddp.driver.scale import parse_sizes
+    from raytrain_ddp.driver.run.scale import parse_sizes
 
     sizes = parse_sizes(workers)
     if rounds < 1 or nodes < 1 or cpus_per_node < 1:
@@ -139,7 +139,7 @@ def doctor_command(
     rounds: int = typer.Option(5, "--rounds", help="Rounds; the variants' order alternates."),
     threads: int = typer.Option(1, "--threads", help="torch threads per rank."),
 ) -> None:
-    """What the straggler split (worker/part_clock.py) costs a DDP step when nothing is wrong: the
+    """What the straggler split (worker/measure/part_clock.py) costs a DDP step when nothing is wrong: the
     same model trained with and without it, in alternating rounds; prints the median steps and the
     difference."""
     from raytrain_ddp.bench.doctor import Settings, bench_doctor

@@ -16,11 +16,11 @@ from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.config import SCHEDULERS, STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.doctor.bad_nodes import requeue_asked
-from raytrain_ddp.driver import run as driver
-from raytrain_ddp.driver.cluster_check import check_cluster
-from raytrain_ddp.driver.launch import LAUNCH_FIELDS, LAUNCH_HELP
-from raytrain_ddp.driver.startup import process_started
-from raytrain_ddp.driver.stops import NodeFailed, RankConfigError, Stalled, Stopped
+from raytrain_ddp.driver.run import command as driver
+from raytrain_ddp.driver.look.check import check_cluster
+from raytrain_ddp.launch.command import LAUNCH_FIELDS, LAUNCH_HELP
+from raytrain_ddp.driver.core.startup import process_started
+from raytrain_ddp.stops import NodeFailed, RankConfigError, Stalled, Stopped
 from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 
 
@@ -88,7 +88,7 @@ def sweep_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="List the trials and the plan; start nothing."),
 ) -> None:
     """Run a hyperparameter sweep: trials drawn from --space, each a full `raytrain run` with these run options, packed into the cluster, with early stopping (--scheduler asha); the same command resumes it."""
-    from raytrain_ddp.driver.sweep import SweepConfig, sweep
+    from raytrain_ddp.sweep.command import SweepConfig, sweep
 
     if concurrent != "auto" and not concurrent.isdigit():
         raise ConfigError(f"--concurrent takes a number of trials or auto (got {concurrent!r})")
@@ -133,7 +133,7 @@ def scale_command(
     ),
 ) -> None:
     """Run the same job at each size (and strategy); write the scaling table (CSV, Markdown) and plot (PNG)."""
-    from raytrain_ddp.driver.scale import parse_sizes, parse_strategies, scale
+    from raytrain_ddp.driver.run.scale import parse_sizes, parse_strategies, scale
 
     # own flags, not TrainConfig's: a list of strategies, and a sharding for the fsdp runs among them
     scale(cfg, parse_sizes(workers), parse_strategies(strategy) if strategy else None, sharding)
@@ -159,7 +159,7 @@ def launch_command(
     every rank restarts at the new size when a node is lost or room appears. Exit status: the first
     failing rank's, 75 when SIGTERM stopped every rank cleanly, 130 after Ctrl-C, else 0.
     """
-    from raytrain_ddp.driver.launch import find_target, launch
+    from raytrain_ddp.launch.command import find_target, launch
 
     target = find_target(script, module, args or [])
     try:
@@ -187,7 +187,7 @@ def stack_command(
     ),
 ) -> None:
     """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
-    from raytrain_ddp.doctor.stack import show_stacks
+    from raytrain_ddp.driver.look.stack import show_stacks
 
     show_stacks(storage_path, name)
 
@@ -197,7 +197,7 @@ RUN_DIR = typer.Argument(..., metavar="RUN_DIR", help="A run directory: <storage
 
 def verify_command(run_dir: Path = RUN_DIR) -> None:
     """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
-    from raytrain_ddp.driver.verify import verify
+    from raytrain_ddp.driver.look.verify import verify
 
     if not verify(existing_run_dir(run_dir)):
         raise typer.Exit(1)

@@ -1,4 +1,4 @@
-"""`raytrain submit|status|logs|stop`: Ray jobs on a running cluster (driver/jobs.py does the work)."""
+"""`raytrain submit|status|logs|stop`: Ray jobs on a running cluster (jobs/command.py does the work)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver import jobs
+from raytrain_ddp.jobs import command as jobs
 
 ADDRESS_HELP = (
     "The cluster's dashboard, http://HEAD:8265. Default: $RAY_API_SERVER_ADDRESS, or $RAY_ADDRESS "

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.driver.stops import NodeFailed
+from raytrain_ddp.stops import NodeFailed
 from raytrain_ddp.errors import OOM_MARKERS, one_line
 
 BAD_NODES = "bad_nodes.json"

@@ -1,7 +1,7 @@
 """The pre-flight health check's verdict: which node is far below the others, before the first step.
 
 Every rank times a short GEMM, and each node's first rank times exchanges with a few other nodes
-(worker/health_check.py). A node's GEMM figure is its slowest rank's; its link figure is its best
+(worker/measure/health_check.py). A node's GEMM figure is its slowest rank's; its link figure is its best
 exchange, so a slow partner never makes a sound node look slow, while a slow NIC slows every exchange
 of its own node. A node is named when a figure is below a share of the other nodes' median: with two
 nodes that is the other node, so no mean of a pair hides the gap; and only when a second pass finds

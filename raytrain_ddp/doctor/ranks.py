@@ -19,7 +19,7 @@ class RankProcess:
     """Its node's IP, as Ray knows the node: where a look at its stack must run."""
     pid: int
     nice: int = 0
-    """Its niceness: Ray starts workers at 15 unless told otherwise (driver/ray_head.py)."""
+    """Its niceness: Ray starts workers at 15 unless told otherwise (driver/session/head.py)."""
 
     def label(self) -> str:
         return f"rank {self.rank} on {self.host} pid {self.pid}"

@@ -28,7 +28,7 @@ from raytrain_ddp.doctor.diagnosis import (
 )
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stacks import dump_loader_workers, dump_stacks, end_ranks
-from raytrain_ddp.driver.stops import Stalled
+from raytrain_ddp.stops import Stalled
 
 MIN_STALL_S = 120.0
 """The default stall timeout's floor: a first epoch's loader start or a slow step is no stall."""

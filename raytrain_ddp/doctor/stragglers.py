@@ -2,7 +2,7 @@
 times can be compared at all.
 
 Every epoch each rank sends its own seconds in data, forward, backward and comm, in total and per
-window of its steps (worker/part_clock.py). Each pass's first window is left out: it holds the
+window of its steps (worker/measure/part_clock.py). Each pass's first window is left out: it holds the
 loader's start, and in the first epoch the warm-up. Over the windows left, a rank is slow in a part
 when the gap to the others in it
 - persists: the rank is slower in every window, not over one bad stretch;

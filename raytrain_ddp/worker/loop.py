@@ -34,12 +34,13 @@ from raytrain_ddp.data.batches import Loaders
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.worker import health_check, host_sync, parallel
+from raytrain_ddp.worker.measure import health_check
+from raytrain_ddp.worker import host_sync, parallel
 from raytrain_ddp.worker.control import Control
 from raytrain_ddp.worker.epoch_metrics import all_reduce_means, epoch_resources, epoch_row, evaluate
 from raytrain_ddp.worker.models import model_builder
-from raytrain_ddp.worker.part_clock import PartClock
-from raytrain_ddp.worker.profiling import Profiler
+from raytrain_ddp.worker.measure.part_clock import PartClock
+from raytrain_ddp.worker.measure.profiling import Profiler
 from raytrain_ddp.worker.schedule import lr_factor, set_lr
 from raytrain_ddp.worker.state import TrainState
 from raytrain_ddp.worker.step import apply_gradients, autocast_dtype, forward_backward, make_optimizer

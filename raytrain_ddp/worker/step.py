@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.worker import host_sync, parallel
-from raytrain_ddp.worker.part_clock import PartClock
+from raytrain_ddp.worker.measure.part_clock import PartClock
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

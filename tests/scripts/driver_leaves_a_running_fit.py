@@ -18,7 +18,7 @@ import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from raytrain_ddp.driver.core import Signals, drive
+from raytrain_ddp.driver.core.drive import Signals, drive
 from raytrain_ddp.ray_compat import fast
 from raytrain_ddp.ray_compat.state import placement_group_records
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.driver.cluster_check import bus_bandwidth_gbps
+from raytrain_ddp.driver.look.check import bus_bandwidth_gbps
 
 
 def test_bus_bandwidth_formula():

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.bench.local_ray import START_TRIES, NodeExited, free_ports, local_head
+from raytrain_ddp.bench.local_ray import local_head
+from raytrain_ddp.driver.session.head import START_TRIES, NodeExited, free_ports
 
 TAKEN = "Failed to bind to address 127.0.0.1:{port}: Address already in use"
 

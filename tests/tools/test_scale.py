@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY, raytrain
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.driver.scale import parse_sizes, parse_strategies, table
+from raytrain_ddp.driver.run.scale import parse_sizes, parse_strategies, table
 
 
 def summary(workers: int, strategy: str = "ddp") -> dict:
