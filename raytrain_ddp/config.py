@@ -369,6 +369,40 @@ def flag_decls(name: str) -> list[str]:
     return [flag + (f"/--no-{flag[2:]}" if FIELD_TYPES[name] == (bool,) else "")]
 
 
+def as_flag(name: str, value: Any) -> list[str]:
+    """A field's value as the words `raytrain run` takes for it: --field VALUE, or --name/--no-name's
+    half for a bool; none for None. A float keeps every digit it ran with."""
+    if value is None:
+        return []
+    decl = flag_decls(name)[0]
+    if FIELD_TYPES[name] == (bool,):
+        on, off = decl.split("/")
+        return [on if value else off]
+    if isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    return [decl, repr(value) if isinstance(value, float) else str(value)]
+
+
+def run_flags(cfg: TrainConfig) -> list[str]:
+    """`raytrain run` flags that rebuild `cfg`: each value that differs from the default."""
+    defaults = TrainConfig()
+    return [word for f in fields(TrainConfig) if getattr(cfg, f.name) != getattr(defaults, f.name)
+            for word in as_flag(f.name, getattr(cfg, f.name))]
+
+
+def flag_spellings() -> dict[str, tuple[str, bool | None]]:
+    """Each run flag's every spelling -> (its field, the bool it sets, or None for a flag that takes a value)."""
+    out: dict[str, tuple[str, bool | None]] = {}
+    for name in FIELD_TYPES:
+        for decl in flag_decls(name):
+            if "/" in decl:
+                on, off = decl.split("/")
+                out[on], out[off] = (name, True), (name, False)
+            else:
+                out[decl] = (name, None)
+    return out
+
+
 @functools.cache
 def field_docs() -> dict[str, str]:
     """Each field's docstring, read from this file, so `--help` and the docs never drift apart."""

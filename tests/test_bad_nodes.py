@@ -25,8 +25,8 @@ from raytrain_ddp.doctor.bad_nodes import (
     record_bad_node,
     stall_hosts,
 )
-from raytrain_ddp.stops import NodeFailed
 from raytrain_ddp.errors import EXIT_BAD_NODE
+from raytrain_ddp.stops import NodeFailed
 
 
 def test_the_history_is_kept_and_each_host_listed_once(tmp_path: Path, monkeypatch) -> None:

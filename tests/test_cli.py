@@ -18,10 +18,10 @@ from test_profiling import check_profiled_run
 from raytrain_ddp.checkpoint.files import STATE, latest_checkpoint
 from raytrain_ddp.cli import main
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.run_files import CSV_COLUMNS, read_csv
+from raytrain_ddp.driver.core.startup import RUN_STAGES, stages_line
 from raytrain_ddp.driver.plan.model_shapes import model_shapes
 from raytrain_ddp.driver.session.private import runs_dir
-from raytrain_ddp.driver.core.startup import RUN_STAGES, stages_line
+from raytrain_ddp.run_files import CSV_COLUMNS, read_csv
 
 
 @pytest.mark.e2e

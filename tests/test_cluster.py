@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.driver.plan.resources import busy_problem, choose_layout, cpu_share, placement_problem, size
-from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.run_files import read_csv
-from raytrain_ddp.ray_compat.state import job_driver, worker_group_start_timeout_s
 from raytrain_ddp.bench.local_ray import joined_node, local_head
+from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.driver.plan.fit import busy_problem, choose_layout, cpu_share, placement_problem, size
+from raytrain_ddp.ray_compat.state import job_driver, worker_group_start_timeout_s
+from raytrain_ddp.run_files import read_csv
 from conftest import TINY, raytrain
 
 

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import TINY, raytrain, wait_for
 
-from raytrain_ddp.driver.run.command import describe_resize, profile_lines, resize_reason
-from raytrain_ddp.run_files import read_csv
-from raytrain_ddp.driver.run.sink import Sink
+from raytrain_ddp.driver.run.news import profile_lines
 from raytrain_ddp.driver.run.progress import Display
+from raytrain_ddp.driver.run.sink import Sink
+from raytrain_ddp.run_files import read_csv
+from raytrain_ddp.run_records import GroupStart, RunState, Step
 
 
 def row(epoch: int, loss: float) -> dict:
@@ -27,37 +28,41 @@ def row(epoch: int, loss: float) -> dict:
             "throughput": 100.0, "epoch_time_s": 1.0, "world_size": 2, "resizes": 0}
 
 
+def group(world_size: int, steps_per_epoch: int = 4, resumed_at: tuple | None = None, resizes: tuple = ()) -> GroupStart:
+    return GroupStart(world_size, "gloo", (), steps_per_epoch, resumed_at, resizes)
+
+
 def test_a_restart_without_a_checkpoint_is_recorded_and_its_epoch_reported_again():
     sink = Sink()
-    assert sink.start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=None, resizes=[]) == []
+    assert sink.start(group(2)) == []
     sink.epoch(row(1, 2.0))  # epoch 1 reported, then its checkpoint never registered: a node was lost
-    resizes = sink.start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=None, resizes=[])
+    resizes = sink.start(group(2))
     [event] = resizes
     assert (event["epoch"], event["position"], event["from"], event["to"]) == (1, 0, 2, 2)
-    assert sink.poll()[2] == []  # the redone epoch's row will come again
-    assert resize_reason(event) == "a worker group restarted after a failure"
-    assert describe_resize(event).startswith("restarted: 2 workers at ")
+    assert sink.poll().rows == ()  # the redone epoch's row will come again
+    [told] = sink.poll().resizes
+    assert told.reason == "a worker group restarted after a failure"
+    assert told.line().startswith("restarted: 2 workers at ")
 
     # The next group resumed from a checkpoint of the group before it, at another size, and found the
     # resize itself (from its checkpoint's size): one event, from the size of the group just before.
     own = {"epoch": 2, "position": 64, "from": 4, "to": 1, "at": time.time()}
-    resizes = sink.start(world_size=1, backend="gloo", ranks=[], steps_per_epoch=8, resumed_at=[2, 64, 2],
-                         resizes=[event, own])
+    resizes = sink.start(group(1, 8, (2, 64, 2), (event, own)))
     assert [(e["from"], e["to"], e["epoch"], e["position"]) for e in resizes] == [(2, 2, 1, 0), (2, 1, 2, 64)]
-    assert resize_reason(resizes[-1]) == "a worker or its node was lost"
+    assert sink.poll().resizes[-1].reason == "a worker or its node was lost"
 
 
 def test_a_new_driver_keeps_the_resizes_its_checkpoint_holds():
     held = [{"epoch": 1, "position": 0, "from": 2, "to": 2, "at": 1.0}]
-    assert Sink().start(world_size=2, backend="gloo", ranks=[], steps_per_epoch=4, resumed_at=[2, 0, 0], resizes=held) == held
+    assert Sink().start(group(2, 4, (2, 0, 0), tuple(held))) == held
 
 
 def test_a_redone_epoch_is_shown_again_and_a_restored_one_is_not(capsys):
     display = Display("plain", epochs=2)
-    display.update({}, None, [row(1, 2.0)])
-    display.update({}, None, [row(1, 2.0)])  # the same row again (a resume sends the checkpoint's rows)
-    display.update({}, None, [])  # a restart found no checkpoint: epoch 1 is redone ...
-    display.update({}, None, [row(1, 1.9)])  # ... and reported anew
+    display.update(RunState(rows=(row(1, 2.0),)))
+    display.update(RunState(rows=(row(1, 2.0),)))  # the same row again (a resume sends the checkpoint's rows)
+    display.update(RunState())  # a restart found no checkpoint: epoch 1 is redone ...
+    display.update(RunState(rows=(row(1, 1.9),)))  # ... and reported anew
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch 1/2")]
     assert len(lines) == 2 and "train loss 2.0000" in lines[0] and "train loss 1.9000" in lines[1]
 
@@ -72,10 +77,9 @@ def test_profile_lines_wait_for_every_rank_and_come_in_rank_order():
 
 def test_plain_mode_prints_a_step_once_however_long_the_run_stays_there(capsys):
     display = Display("plain", epochs=2)
-    step = lambda n: {"epoch": 1, "step": n, "loss": 2.0, "samples_per_s": 100.0}
     for n in (1, 1, 1, 2):  # a stalled run polls the same step until its stall report
         display.last_plain = 0.0  # PLAIN_EVERY_S have passed since the last line
-        display.update({"steps_per_epoch": 4}, step(n), [])
+        display.update(RunState(steps_per_epoch=4, step=Step(epoch=1, step=n, loss=2.0, at=0.0, samples_per_s=100.0)))
     assert [line.split()[3] for line in capsys.readouterr().out.splitlines()] == ["1/4", "2/4"]
 
 

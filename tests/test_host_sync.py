@@ -16,7 +16,7 @@ import torch
 from conftest import TINY
 
 from raytrain_ddp.doctor.ranks import RankProcess, ranks_from
-from raytrain_ddp.driver.run.command import niced
+from raytrain_ddp.driver.run.news import niced
 from raytrain_ddp.worker import host_sync
 
 

@@ -17,11 +17,12 @@ import torch
 from conftest import REPO, raytrain
 from test_cli import assert_refused
 
-from raytrain_ddp.config import ConfigError
-from raytrain_ddp.launch.command import find_target, judge, parse_ranks
-from raytrain_ddp.driver.core.startup import LAUNCH_STAGES, stages_line
 from raytrain_ddp.bench.local_ray import joined_node, local_head
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.driver.core.startup import LAUNCH_STAGES, stages_line
+from raytrain_ddp.launch.command import judge, parse_ranks
 from raytrain_ddp.launch.records import LaunchOutcome, RankExit
+from raytrain_ddp.launch.target import find_target
 
 SCRIPT = REPO / "tests" / "scripts" / "torchrun_train.py"
 SNAPSHOT_SCRIPT = REPO / "tests" / "scripts" / "snapshot_train.py"

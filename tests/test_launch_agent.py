@@ -13,10 +13,10 @@ import time
 import pytest
 from conftest import REPO
 
+from raytrain_ddp.launch.agent import child_env, torchrun_env
 from raytrain_ddp.launch.hub import TEARDOWN_WAIT_S, Attempt
 from raytrain_ddp.launch.output import mark
 from raytrain_ddp.launch.records import TEARDOWN_ABORT, RankExit, ScriptError, StopReason, exit_status
-from raytrain_ddp.launch.agent import child_env, torchrun_env
 from raytrain_ddp.launch.supervisor import Stopper, pump
 
 

@@ -133,9 +133,10 @@ def test_joining_ray_imports_nothing_else_of_the_driver():
                                   and not m.startswith("raytrain_ddp.driver.session")) for n in session} == {n: [] for n in session}
 
 
-@pytest.mark.parametrize("name", ["raytrain_ddp.stops", "raytrain_ddp.run_files"])
+@pytest.mark.parametrize("name", ["raytrain_ddp.stops", "raytrain_ddp.run_files", "raytrain_ddp.run_records"])
 def test_what_every_side_shares_is_light(name):
-    """The stop exceptions and the run's files are read by the CLI, the drivers and the doctor alike."""
+    """The stop exceptions, the run's files and rank 0's records are read by the CLI, the drivers, the
+    doctor and the ranks alike."""
     assert {m.split(".")[0] for m in imported_with(name) | top_level_imports(name)} & {"torch", "torchvision", "ray"} == set()
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import raytrain
 
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker.models import MODELS
 from raytrain_ddp.worker.measure.profiling import Profiler, overlap, union
+from raytrain_ddp.worker.models import MODELS
 
 LINE = re.compile(
     r"profile rank 0: 2 steps of [\d.]+ ms: data (\d+)%, compute (\d+)%, communication (\d+)%; "

@@ -17,8 +17,8 @@ from conftest import RAY_LOG_LINE, REPO, TINY, local_head, raytrain
 from ray.train import ScalingConfig
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.driver.session.connect import ray_mismatch, version_mismatch
 from raytrain_ddp.config import ConfigError
+from raytrain_ddp.driver.session.connect import ray_mismatch, version_mismatch
 from raytrain_ddp.ray_compat.features import FEATURES, has, refusal
 
 pytestmark = pytest.mark.smoke

@@ -190,13 +190,13 @@ from pathlib import Path
 
 import ray
 
-from raytrain_ddp.driver.run.sink import MetricsSink
 from raytrain_ddp.doctor.ranks import RankProcess
 from raytrain_ddp.doctor.stall_watch import StallWatch
+from raytrain_ddp.driver.run.sink import MetricsSink
 
 ray.init(logging_level="ERROR")
 sink = MetricsSink.remote()
-ray.get(sink.step.remote(at=time.time()))
+ray.get(sink.step.remote(epoch=1, step=1, loss=1.0, at=time.time(), samples_per_s=1.0))
 gone = subprocess.Popen(["true"])
 # Exited but not reaped: a real rank's pid whose process is gone, and no other process can take it.
 while open(f"/proc/{gone.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":

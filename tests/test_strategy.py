@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 from raytrain_ddp.bench.spawn import leave_group
 from raytrain_ddp.checkpoint import files, state_dicts
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.run_files import read_csv
 from raytrain_ddp.driver.plan.model_shapes import estimate_state_mib, of
+from raytrain_ddp.run_files import read_csv
 from raytrain_ddp.worker import parallel as strategy
 from raytrain_ddp.worker.epoch_metrics import evaluate
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer

@@ -69,13 +69,26 @@ def test_asha_cuts_the_weak_trial_at_concurrency_one_and_leaves_no_placement_gro
     assert (tmp_path / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()  # beside the store, not in the cwd
 
 
+BEFORE_THE_MOVE = """
+import importlib, sys
+lines = sys.modules["raytrain_ddp.driver.sweep_lines"] = importlib.import_module("raytrain_ddp.sweep.lines")
+lines.SweepLines.__module__ = lines.trial_name.__module__ = "raytrain_ddp.driver.sweep_lines"
+from raytrain_ddp.cli import main
+main()
+"""
+"""`raytrain` as the code before driver/'s move ran it, as far as Tune's tuner.pkl can tell: the
+callback and the trial namer that Tune pickles there, named by their old module paths. (The trainable
+is named, not pickled, and the trials' actors import it anew.)"""
+
+
 def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):
+    """Killed under the modules' old paths (BEFORE_THE_MOVE), resumed under today's."""
     space = tmp_path / "space.yaml"
     space.write_text("epochs: {grid: [1, 6]}\n")  # t00 ends at once; t01 is mid-run when the driver dies
     args = ["sweep", "--space", str(space), "--trials", "1", "--concurrent", "2", "--name", "killed",
             "--storage-path", str(tmp_path), *RUN]
     trials = tmp_path / "killed" / "trials"
-    driver = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", *args], env=ray_head.env,
+    driver = subprocess.Popen([sys.executable, "-c", BEFORE_THE_MOVE, *args], env=ray_head.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (finished(trials, "t00") and list((trials / "t01").glob("checkpoint_*"))):
@@ -85,6 +98,9 @@ def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp
     driver.send_signal(signal.SIGKILL)
     driver.communicate(timeout=30)
     first_start = json.loads((trials / "t00.json").read_text())["started"]
+
+    pickled = (tmp_path / "killed" / "tune" / "tuner.pkl").read_bytes()
+    assert b"raytrain_ddp.driver.sweep_lines" in pickled and b"raytrain_ddp.sweep.lines" not in pickled
 
     again = raytrain(*args, env=ray_head.env, timeout=400)
     assert again.returncode == 0, again.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ddp.cli.commands import run_flags
+from raytrain_ddp.cli.commands import run_words
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.sweep.command import SweepConfig, Trial, keep_plan, packing, rungs
 
@@ -57,7 +57,7 @@ def test_rungs_are_grace_times_eta_below_the_last_epoch():
 def test_run_flags_keep_the_runs_and_drop_the_sweeps_own():
     argv = ["--space", "s.yaml", "--trials=6", "--scheduler", "asha", "--scheduler", "step", "--workers", "2",
             "--epochs=9", "--dry-run", "--concurrent", "2", "--name", "x", "--debug"]
-    assert run_flags(argv) == ["--scheduler", "step", "--workers", "2", "--epochs=9", "--name", "x"]
+    assert run_words(argv) == ["--scheduler", "step", "--workers", "2", "--epochs=9", "--name", "x"]
 
 
 def test_a_rerun_must_ask_for_the_same_trials(tmp_path):

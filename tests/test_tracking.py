@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from raytrain_ddp.driver.run import tracking
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver.run import tracking
 from raytrain_ddp.run_files import CSV_COLUMNS
 
 # MLflow's sqlite store still uses a loader strategy SQLAlchemy 2.1 deprecates: theirs to fix.

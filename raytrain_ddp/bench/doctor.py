@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from raytrain_ddp.bench.spawn import leave_group, run_ranks
 from raytrain_ddp.config import TrainConfig
-from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.measure.part_clock import PartClock
+from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.step import apply_gradients, forward_backward, make_optimizer
 
 VARIANTS = ("plain", "timed", "plain again")

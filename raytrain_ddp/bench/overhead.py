@@ -34,9 +34,9 @@ from raytrain_ddp.bench.data import make_jpegs, process_tree
 from raytrain_ddp.bench.local_ray import local_head
 from raytrain_ddp.bench.regimes import GPU_COMPUTE, REGIMES, Regime, write_tensors
 from raytrain_ddp.config import LOADER_WORKERS, TrainConfig
-from raytrain_ddp.run_files import read_csv
-from raytrain_ddp.driver.run.scale import steady
 from raytrain_ddp.driver.core.startup import LAUNCH_STAGES, RUN_STAGES, stages, stages_line
+from raytrain_ddp.driver.run.scale import steady
+from raytrain_ddp.run_files import read_csv
 from raytrain_ddp.worker import host_sync
 
 ARMS = ("hand loop", "raytrain")

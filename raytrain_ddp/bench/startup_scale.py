@@ -35,8 +35,8 @@ from typing import Any
 
 import yaml
 
-from raytrain_ddp.driver.core.startup import RUN_STAGES
 from raytrain_ddp.bench.local_ray import Head, joined_node, local_head
+from raytrain_ddp.driver.core.startup import RUN_STAGES
 
 IMPORTS = "import torch, torch.distributed, torchvision"
 ARMS = ("ray only s", "imports s")

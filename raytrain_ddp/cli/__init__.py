@@ -37,7 +37,6 @@ from raytrain_ddp.cli.jobs import logs_command, status_command, stop_command, su
 from raytrain_ddp.cli.options import takes_debug
 from raytrain_ddp.cli.usage_errors import USAGE_ERROR, usage_line
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.stops import RayLost, Stopped
 from raytrain_ddp.driver.session.connect import stop_private_ray
 from raytrain_ddp.errors import (
     EXIT_BAD_INPUT,
@@ -46,6 +45,7 @@ from raytrain_ddp.errors import (
     EXIT_STOPPED,
     one_line,
 )
+from raytrain_ddp.stops import RayLost, Stopped
 
 PLAIN_HELP = {"rich_markup_mode": None}
 """click's own --help: Rich's tables cut `run`'s option names short at 80 columns

@@ -16,12 +16,12 @@ from raytrain_ddp.cli.options import train_options
 from raytrain_ddp.cli.usage_errors import finite_float
 from raytrain_ddp.config import SCHEDULERS, STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.doctor.bad_nodes import requeue_asked
-from raytrain_ddp.driver.run import command as driver
-from raytrain_ddp.driver.look.check import check_cluster
-from raytrain_ddp.launch.command import LAUNCH_FIELDS, LAUNCH_HELP
 from raytrain_ddp.driver.core.startup import process_started
-from raytrain_ddp.stops import NodeFailed, RankConfigError, Stalled, Stopped
+from raytrain_ddp.driver.look.check import check_cluster
+from raytrain_ddp.driver.run import command as driver
 from raytrain_ddp.errors import EXIT_BAD_INPUT, EXIT_BAD_NODE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
+from raytrain_ddp.launch.target import LAUNCH_FIELDS, LAUNCH_HELP
+from raytrain_ddp.stops import NodeFailed, RankConfigError, Stalled, Stopped
 
 
 @train_options
@@ -98,7 +98,7 @@ def sweep_command(
     sc = SweepConfig(space=space, trials=trials, concurrent=None if concurrent == "auto" else int(concurrent),
                      scheduler=trial_scheduler[-1], metric=metric, mode=mode, grace_epochs=grace_epochs, eta=eta, dry_run=dry_run)
     try:
-        summary = sweep(cfg, sc, run_flags(sys.argv[sys.argv.index("sweep") + 1:] if "sweep" in sys.argv else []))
+        summary = sweep(cfg, sc, run_words(sys.argv[sys.argv.index("sweep") + 1:] if "sweep" in sys.argv else []))
     except KeyboardInterrupt as err:  # stops.Interrupted says how to resume
         print(f"stopped: {err}" if str(err) else "interrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -107,7 +107,7 @@ def sweep_command(
         raise typer.Exit(EXIT_FAILED)
 
 
-def run_flags(argv: list[str]) -> list[str]:
+def run_words(argv: list[str]) -> list[str]:
     """The run options of a sweep's command line: the words that are not sweep's own (nor --debug)."""
     out, skip = [], False
     for i, word in enumerate(argv):
@@ -159,7 +159,8 @@ def launch_command(
     every rank restarts at the new size when a node is lost or room appears. Exit status: the first
     failing rank's, 75 when SIGTERM stopped every rank cleanly, 130 after Ctrl-C, else 0.
     """
-    from raytrain_ddp.launch.command import find_target, launch
+    from raytrain_ddp.launch.command import launch
+    from raytrain_ddp.launch.target import find_target
 
     target = find_target(script, module, args or [])
     try:

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.stops import NodeFailed
 from raytrain_ddp.errors import OOM_MARKERS, one_line
+from raytrain_ddp.stops import NodeFailed
 
 BAD_NODES = "bad_nodes.json"
 """In the run dir: every node recorded bad, oldest first; nothing ever removes one."""

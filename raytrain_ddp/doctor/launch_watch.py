@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from raytrain_ddp.doctor.diagnosis import is_stack, moving, read_place, training_stack
 from raytrain_ddp.doctor.ranks import RankProcess
-from raytrain_ddp.doctor.workers import write_workers
 from raytrain_ddp.doctor.stacks import dump_stacks, glance
 from raytrain_ddp.doctor.stall_watch import Report, compile_limit, diagnose, restart_count, stall_folder, stall_limit
+from raytrain_ddp.doctor.workers import write_workers
 from raytrain_ddp.stops import Stalled
 
 SCRIPT_SILENCE = "no rank's Python stack changed"

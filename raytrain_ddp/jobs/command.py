@@ -31,11 +31,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from raytrain_ddp.config import ConfigError, TrainConfig, flag_decls, resolve
-from raytrain_ddp.launch.command import LAUNCH_FIELDS, find_target
-from raytrain_ddp.driver.session.connect import PASSED_TO_WORKERS, version_mismatch
+from raytrain_ddp.config import ConfigError, TrainConfig, resolve, run_flags
+from raytrain_ddp.driver.plan.ray_train import PASSED_TO_WORKERS
 from raytrain_ddp.driver.plan.shipping import SHIP_EXCLUDES
+from raytrain_ddp.driver.session.connect import version_mismatch
 from raytrain_ddp.errors import EXIT_INTERRUPTED
+from raytrain_ddp.launch.target import LAUNCH_FIELDS, find_target
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """raytrain_ddp/, the source the job ships (found by path: the driver side never imports the package's face)."""
@@ -202,24 +203,6 @@ def for_cluster(cfg: TrainConfig) -> TrainConfig:
             )
     # The job's driver finds its cluster through $RAY_ADDRESS, which Ray sets for every job.
     return dataclasses.replace(cfg, name=cfg.name or time.strftime("run-%Y%m%d-%H%M%S"), address=None)
-
-
-def run_flags(cfg: TrainConfig) -> list[str]:
-    """`raytrain run` flags that rebuild `cfg`: each value that differs from the default, spelled
-    as the `run` command declares it (--gpu/--cpu, --amp/--no-amp, ...). The defaults are the same
-    on the cluster because the package travels with the job."""
-    defaults = TrainConfig()
-    flags: list[str] = []
-    for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if value is None or value == getattr(defaults, f.name):
-            continue
-        on, _, off = flag_decls(f.name)[0].partition("/")
-        if isinstance(value, bool):
-            flags.append(on if value else off)
-        else:
-            flags += [on, str(value)]
-    return flags
 
 
 def entrypoint(cfg: TrainConfig) -> str:

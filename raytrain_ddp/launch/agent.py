@@ -29,8 +29,8 @@ import ray.train
 import ray.train.collective
 
 from raytrain_ddp.launch.records import RankExit, ScriptError, describe_exit
-from raytrain_ddp.net import free_port
 from raytrain_ddp.launch.supervisor import Child
+from raytrain_ddp.net import free_port
 
 POLL_S = 0.2
 """How often an agent sends its child's output on."""

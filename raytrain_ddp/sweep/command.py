@@ -12,9 +12,11 @@ What the user reads and the files at the end are sweep_report.py's.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,10 @@ from typing import Any
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.plan import run_lock
-from raytrain_ddp.driver.session import connect as session
-from raytrain_ddp.run_files import read_csv, write_json
 from raytrain_ddp.driver.plan.preflight import resolve_run
 from raytrain_ddp.driver.plan.shipping import ship_code, user_code
+from raytrain_ddp.driver.session import connect as session
+from raytrain_ddp.run_files import read_csv, write_json
 from raytrain_ddp.stops import Interrupted, Stopped
 from raytrain_ddp.sweep.report import fmt, say
 
@@ -121,10 +123,11 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     run_lock.take(sweep_dir)
     try:
         keep_plan(sweep_dir, base, trials, sc)
-        session.connect(base)
+        address = session.ray_address(base)
+        session.connect(address, base.verbose)
         code_paths, code_env = user_code(code)
         # Once, before any trial: every trial's actor and worker is of this job, and gets its runtime_env
-        ship_code(base, {**code_env, **tracker_env(trials)})
+        ship_code(address, base.verbose, {**code_env, **tracker_env(trials)})
         return run_trials(base, sc, trials, sweep_dir, describe(space), run_args, code_paths)
     finally:
         run_lock.release(sweep_dir)
@@ -234,7 +237,7 @@ def keep_plan(sweep_dir: Path, base: TrainConfig, trials: list[Trial], sc: Sweep
 def packing(trials: list[Trial], sc: SweepConfig, free: list[dict[str, float]]) -> tuple[int, int, str]:
     """(trials at once, worker slots the allocation has, the line that says how it is split), from the
     free resources of each node (Ray resources dicts). Every trial is sized as the biggest."""
-    from raytrain_ddp.driver.plan.resources import room
+    from raytrain_ddp.driver.plan.fit import room
 
     biggest = max(trials, key=lambda t: (t.cfg.workers * (t.cfg.cpus_per_worker or 1), t.cfg.workers)).cfg
     cpus, gpu = biggest.cpus_per_worker or 1, biggest.gpu
@@ -267,7 +270,7 @@ def packing(trials: list[Trial], sc: SweepConfig, free: list[dict[str, float]]) 
 def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, space: str,
                run_args: list[str], code_paths: list[str]) -> dict[str, Any]:
     """Split the cluster, hand the trials to Tune (or restore its state), and report at the end."""
-    from raytrain_ddp.driver.plan.resources import SETTLE_S, node_use
+    from raytrain_ddp.driver.session.cluster import SETTLE_S, node_use
     from raytrain_ddp.sweep.lines import RECEIVED, stop_signals
 
     at_once, slots, split = packing(trials, sc, [n["free"] for n in node_use(settle_s=SETTLE_S)])
@@ -292,6 +295,11 @@ def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_di
     return summary
 
 
+MOVED = {"raytrain_ddp.driver.sweep_lines": "raytrain_ddp.sweep.lines", "raytrain_ddp.driver.sweep_trial": "raytrain_ddp.sweep.trial"}
+"""Where the modules that Tune pickles by path (the callback, the trial namer, the trainable) were
+before 0.1.0's driver/ became rooms: a sweep stopped before the move still resumes after it."""
+
+
 def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, at_once: int,
           code_paths: list[str]) -> Any:
     """Ray Tune's Tuner over exactly these trials (a grid of them), or the one a stopped sweep saved."""
@@ -310,6 +318,8 @@ def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Pa
     tune_dir = sweep_dir / "tune"
     if tune.Tuner.can_restore(str(tune_dir)):
         say(f"resuming sweep {sweep_dir.name}: finished and stopped trials are kept, the rest go on from their checkpoints")
+        for old, new in MOVED.items():
+            sys.modules.setdefault(old, importlib.import_module(new))
         return tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
     scheduler = (
         ASHAScheduler(time_attr="epoch", max_t=base.epochs, grace_period=sc.grace_epochs, reduction_factor=sc.eta,

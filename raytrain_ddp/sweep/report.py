@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.config import FIELD_TYPES, flag_decls
+from raytrain_ddp.config import as_flag, flag_spellings
 from raytrain_ddp.run_files import write_atomic, write_json
 
 STATUSES = ("finished", "stopped early", "failed", "stopped", "pending")
@@ -131,7 +131,7 @@ def write_results_csv(path: Path, records: Sequence[TrialRecord], metric: str, m
 def reproduce_command(run_args: list[str], params: dict[str, Any], name: str) -> str:
     """The `raytrain run ...` that reruns a trial: the sweep's run flags, each param in place of the same flag
     there (or appended), then --name NAME. A None param drops its flag, leaving the config file's or default."""
-    spellings = _spellings()
+    spellings = flag_spellings()
     takes_value = {flag for flag, (_, value) in spellings.items() if value is None} | {"--config"}
     out: list[str] = []
     placed: set[str] = set()
@@ -145,14 +145,14 @@ def reproduce_command(run_args: list[str], params: dict[str, Any], name: str) ->
             pass  # ours goes last
         elif field in params:
             if field not in placed:  # the first mention takes the new value, later ones would override it
-                out += _as_flag(field, params[field])
+                out += as_flag(field, params[field])
                 placed.add(field)
         else:
             out += run_args[i:i + width]
         i += width
     for field, value in params.items():
         if field not in placed:
-            out += _as_flag(field, value)
+            out += as_flag(field, value)
     return shlex.join(["raytrain", "run", *out, "--name", name])
 
 
@@ -352,19 +352,6 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-def _spellings() -> dict[str, tuple[str, bool | None]]:
-    """Each run flag's spelling -> (field, the bool it sets, or None for a flag that takes a value)."""
-    out: dict[str, tuple[str, bool | None]] = {}
-    for field in FIELD_TYPES:
-        for decl in flag_decls(field):
-            if "/" in decl:
-                on, off = decl.split("/")
-                out[on], out[off] = (field, True), (field, False)
-            else:
-                out[decl] = (field, None)
-    return out
-
-
 def _split(token: str, takes_value: set[str]) -> tuple[str, str | None]:
     """A command-line token as (flag, value given with it): --lr=0.1, -w2, or a flag alone."""
     if token.startswith("--") and "=" in token:
@@ -373,19 +360,6 @@ def _split(token: str, takes_value: set[str]) -> tuple[str, str | None]:
     if not token.startswith("--") and token[:2] in takes_value and len(token) > 2:  # a short option, joined: -w2
         return token[:2], token[2:]
     return token, None
-
-
-def _as_flag(field: str, value: Any) -> list[str]:
-    """A field's value as the run command's flag, spelled as `raytrain run` takes it."""
-    if value is None:
-        return []
-    decl = flag_decls(field)[0]
-    if FIELD_TYPES[field] == (bool,):
-        on, off = decl.split("/")
-        return [on if value else off]
-    if isinstance(value, (list, tuple)):
-        value = ",".join(map(str, value))
-    return [decl, repr(value) if isinstance(value, float) else str(value)]  # repr: the float exactly as it ran
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:

@@ -25,9 +25,9 @@ from ray import tune
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.driver.core.drive import Signals
+from raytrain_ddp.errors import one_line
 from raytrain_ddp.run_files import write_json
 from raytrain_ddp.stops import Interrupted, Stopped
-from raytrain_ddp.errors import one_line
 
 HEARTBEAT_S = 5.0
 """The longest a step waits for an epoch's row: Tune can stop a trial only between steps, so a

@@ -34,13 +34,15 @@ from raytrain_ddp.data.batches import Loaders
 from raytrain_ddp.data.loaders import make_loaders
 from raytrain_ddp.data.registry import dataset_builder
 from raytrain_ddp.data.torch_ingest import trained_position
-from raytrain_ddp.worker.measure import health_check
+from raytrain_ddp.doctor.ranks import ranks_from
+from raytrain_ddp.run_records import GroupStart
 from raytrain_ddp.worker import host_sync, parallel
 from raytrain_ddp.worker.control import Control
 from raytrain_ddp.worker.epoch_metrics import all_reduce_means, epoch_resources, epoch_row, evaluate
-from raytrain_ddp.worker.models import model_builder
+from raytrain_ddp.worker.measure import health_check
 from raytrain_ddp.worker.measure.part_clock import PartClock
 from raytrain_ddp.worker.measure.profiling import Profiler
+from raytrain_ddp.worker.models import model_builder
 from raytrain_ddp.worker.schedule import lr_factor, set_lr
 from raytrain_ddp.worker.state import TrainState
 from raytrain_ddp.worker.step import apply_gradients, autocast_dtype, forward_backward, make_optimizer
@@ -197,18 +199,18 @@ def announce(
     """Rank 0 tells the driver the world, where training starts and the rows so far."""
     # The sink knows whether this driver started a worker group before: a restart is recorded
     # even when it found no checkpoint to resume from, and every later checkpoint carries it.
-    told = ray.get(sink.start.remote(
+    told = ray.get(sink.start.remote(GroupStart(
         world_size=state.world_size,
         backend=dist.get_backend() if dist.is_initialized() else "none",
-        ranks=ranks,
+        ranks=tuple(ranks_from(ranks)),
         steps_per_epoch=steps_per_epoch,
         # epoch, global position, and the same position as this world's step count
-        resumed_at=[state.epoch, state.position, state.position // (state.world_size * cfg.batch_size)]
+        resumed_at=(state.epoch, state.position, state.position // (state.world_size * cfg.batch_size))
         if resumed
         else None,
-        resizes=state.resizes,
+        resizes=tuple(state.resizes),
         startup=marks,
-    ))
+    )))
     state.resizes = told if told is not None else state.resizes
     for row in state.rows:
         sink.epoch.remote(row)

@@ -24,8 +24,8 @@ from test_cli import assert_refused
 
 from raytrain_ddp.cli import app
 from raytrain_ddp.config import ConfigError, TrainConfig, resolve
-from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.driver.plan.shipping import SHIP_EXCLUDES
+from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.jobs import command as jobs
 
 HEAD_CPUS = 2  # the tiny runs below take 2 workers x 1 CPU

@@ -1,5 +1,5 @@
-"""The driver core that every command which trains shares (`run`, `launch`): the signals, the loop
-that watches fit(), the start-up line, and summary.json.
+"""The driver core that every command which trains shares (`run`, `launch`): the signals, fit() on a
+thread of its own and the loop that watches it, the driver's actors on its node, and summary.json.
 
 A command plans (preflight.py), builds its trainer, then hands it to `drive` with two functions of
 its own: `poll`, which fetches the ranks' news and shows it, and `stop`, which passes a stop on to
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.run_files import write_json
-from raytrain_ddp.driver.plan.preflight import RunPlan
-from raytrain_ddp.driver.session.connect import LOST_SETTLE_S, FitThread, ray_lost
 from raytrain_ddp.driver.core.startup import stages, stages_line
 from raytrain_ddp.driver.core.startup import summary as startup_summary
+from raytrain_ddp.driver.plan.preflight import RunPlan
+from raytrain_ddp.driver.session.connect import LOST_SETTLE_S, ray_lost
+from raytrain_ddp.run_files import write_json
 from raytrain_ddp.stops import RayLost, Stopped
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -90,7 +90,7 @@ class Signals:
 
 def drive(trainer: Any, signals: Signals, poll: Callable[[], None], stop: Callable[[str, list[str]], None],
           every_s: float) -> BaseException | None:
-    """Run trainer.fit() on a thread of its own (session.FitThread, so our SIGINT handler stays in
+    """Run trainer.fit() on a thread of its own (FitThread, so our SIGINT handler stays in
     place) and watch it: every `every_s`, `poll()` the ranks' news, and pass each signal on as
     `stop(name, signals before it)`. A last poll after fit() returns catches the news that came with its end.
     Returns fit()'s error, for the command to judge; raises RayLost when the cluster went away, in place
@@ -175,3 +175,33 @@ def write_summary(plan: RunPlan, started: float, clock: StartupClock, config: di
     }
     write_json(Path(plan.run_dir) / "summary.json", summary)
     return summary
+
+
+def on_this_node() -> Any:
+    """Ray's placement for the driver's own actors (metrics sink, launch hub): the driver's node.
+    A 0-CPU actor may land on any node, and one on a worker node would die with it, taking an
+    elastic run that should have gone on with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+class FitThread(threading.Thread):
+    """trainer.fit() off the main thread; its error, if any, in `error` for the caller to judge.
+
+    In the main thread, Ray Train V2's fit() installs its own SIGINT handler
+    (DataParallelTrainer._register_sigint_handler) over ours: the first Ctrl-C aborts the run at once,
+    with no checkpoint, no summary and no signal to a launched script. It leaves SIGINT alone in any
+    other thread (as under Ray Tune), so the drivers' handlers in the main thread keep Ctrl-C."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(name="raytrain-fit", daemon=True)  # a second Ctrl-C leaves it behind
+        self.trainer = trainer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.trainer.fit()
+        except BaseException as err:  # the caller re-raises or judges it
+            self.error = err

@@ -6,12 +6,12 @@ group as a real run (same placement, same backend, same env), so what passes her
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from raytrain_ddp.doctor.health import NodeHealth, slow_nodes, table
-from raytrain_ddp.driver.plan.preflight import layout, wait_for_room
-from raytrain_ddp.driver.session.connect import connect, trainer_configs
+from raytrain_ddp.driver.plan.preflight import lay_out
+from raytrain_ddp.driver.plan.ray_train import restarts, trainer_configs
+from raytrain_ddp.driver.session.connect import connect, ray_address
 from raytrain_ddp.errors import one_line
 from raytrain_ddp.ray_compat import fast
 from raytrain_ddp.ray_compat.state import token_auth_enabled
@@ -46,19 +46,18 @@ def check_cluster(cfg: Any, iters: int) -> bool:
     from ray.util.queue import Queue
 
 
-    connect(cfg)
+    connect(ray_address(cfg), cfg.verbose)
     print(f"Ray {ray.__version__}, token auth {'on' if token_auth_enabled() else 'OFF'}")
     print("\n".join(nodes_table()))
-    nodes, free_cpus = wait_for_room(cfg)  # a request that cannot fit is one line, not a wait
-    cfg = dataclasses.replace(cfg, **layout(cfg, nodes, free_cpus))
-    scaling, run_config, torch_config = trainer_configs(cfg)
+    cfg, _ = lay_out(cfg)  # a request that cannot fit is one line, not a wait
+    configs = trainer_configs(cfg, restarts(cfg))
     results = Queue(actor_options={"num_cpus": 0})
     trainer = fast(TorchTrainer)(
         collectives_check,
         train_loop_config={"results": results, "sizes": SIZES, "iters": iters},
-        scaling_config=scaling,
-        run_config=run_config,
-        torch_config=torch_config,
+        scaling_config=configs.scaling,
+        run_config=configs.run,
+        torch_config=configs.backend,
     )
     error = None
     try:

@@ -10,12 +10,12 @@ import json
 import os
 from pathlib import Path
 
-from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.driver.session.connect import check_reachable, connect
+from raytrain_ddp.config import ConfigError
 from raytrain_ddp.doctor.diagnosis import is_stack, loader_place, worker_label
 from raytrain_ddp.doctor.ranks import ranks_from
 from raytrain_ddp.doctor.stacks import dump_loader_workers, dump_stacks, glance, glance_loader_workers
 from raytrain_ddp.doctor.workers import WORKERS
+from raytrain_ddp.driver.session.connect import check_reachable, connect
 from raytrain_ddp.ray_compat.state import use_token_auth
 
 
@@ -37,7 +37,7 @@ def show_stacks(storage_path: str, name: str | None) -> None:
         if token_path:
             use_token_auth(token_path)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    connect(TrainConfig(address=address))
+    connect(address)
     stacks = dump_stacks(ranks, glance)  # unpaused: the run's own stall watch may be looking too
     if not any(map(is_stack, stacks)):
         pids = ", ".join(f"{r.pid} on {r.host}" for r in ranks)

@@ -21,11 +21,13 @@ from raytrain_ddp.checkpoint.compat import check_resume
 from raytrain_ddp.checkpoint.files import ResumeChoice, read_info, resume_choice, set_aside
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.dataset_checks import dataset_channels, validate
-from raytrain_ddp.driver.plan import resources, run_lock
-from raytrain_ddp.driver.session import connect as session
-from raytrain_ddp.driver.run import tracking
+from raytrain_ddp.driver.plan import fit, run_lock
+from raytrain_ddp.driver.plan.fit import size
 from raytrain_ddp.driver.plan.model_shapes import ModelShapes, estimate_state_mib, model_shapes
-from raytrain_ddp.driver.plan.resources import size
+from raytrain_ddp.driver.plan.ray_train import RayTrainConfigs, restarts, trainer_configs
+from raytrain_ddp.driver.run import tracking
+from raytrain_ddp.driver.session import cluster
+from raytrain_ddp.driver.session.connect import connect, ray_address
 from raytrain_ddp.ray_compat.snapshot import snapshot_ray_version
 
 
@@ -63,6 +65,14 @@ class RunPlan:
     resume: ResumeChoice | None = None
     """The checkpoint a resume starts from (the newest whole one), and what was skipped; None under
     --no-resume or for a command that trains no model of ours."""
+    address: str | None = None
+    """The Ray cluster to join: --address, else $RAY_ADDRESS; None for the private local Ray this
+    driver starts (session/connect.py)."""
+    restarts: int = 0
+    """The worker-group failures Ray Train restarts from: --max-failures, or a few for an elastic run."""
+    ray_train: RayTrainConfigs | None = None
+    """Ray Train's configs, made from the config laid out on the cluster; None before the cluster's
+    part (check_request's plan)."""
 
     @property
     def world(self) -> str:
@@ -98,21 +108,20 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
     changes nothing, a fresh start's move aside or the resume's choice made good."""
     check_writable(checked.run_dir)
     marks = {"checks": time.time()}
-    session.connect(checked.cfg)
+    connect(checked.address, checked.cfg.verbose)
     marks["connect"] = time.time()
     # Once joined: a driver that Ray refuses has its one line to say, and nothing else.
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):
         say(without)  # a launched script has no drain notices of ours
     stop_check()
-    nodes, free_cpus = wait_for_room(checked.cfg, stop_check, say)
-    cfg = dataclasses.replace(checked.cfg, **layout(checked.cfg, nodes, free_cpus, say))
-    state_mib = model_state(cfg, checked.model_shapes, nodes) if trains else None
+    cfg, nodes = lay_out(checked.cfg, stop_check, say)
+    state_mib = model_state(cfg, checked.model_shapes, nodes, local=checked.address is None) if trains else None
     if trains and not checked.cfg.resume:
         start_fresh(checked.run_dir)
     take_checkpoint(checked)
     marks["placement"] = time.time()
-    return RunPlan(cfg, checked.run_dir, checked.given, checked.resume_lines, checked.model_shapes, checked.code,
-                   checked.accum_steps, state_mib, marks, checked.resume)
+    return dataclasses.replace(checked, cfg=cfg, state_mib=state_mib, marks=marks,
+                               ray_train=trainer_configs(cfg, checked.restarts))
 
 
 def check_request(
@@ -126,7 +135,8 @@ def check_request(
     if cfg.elastic:
         ray_compat.require("elastic")
     if not trains:
-        return RunPlan(*resolve_run(cfg))
+        cfg, run_dir = resolve_run(cfg)
+        return RunPlan(cfg, run_dir, address=ray_address(cfg), restarts=restarts(cfg))
     cfg, given = user_parts(cfg, model, dataset)
     tracking.check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
@@ -135,7 +145,15 @@ def check_request(
         print(line, file=sys.stderr)
     # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
     code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
-    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice)
+    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice,
+                   address=ray_address(cfg), restarts=restarts(cfg))
+
+
+def unplaced(checked: RunPlan) -> RunPlan:
+    """The plan as a dry run shows it, before any cluster: laid out over no nodes (by choose_layout,
+    as a start lays it out over the cluster's), with the Ray Train configs of that layout."""
+    cfg = dataclasses.replace(checked.cfg, **fit.choose_layout(checked.cfg, [])._asdict())
+    return dataclasses.replace(checked, cfg=cfg, ray_train=trainer_configs(cfg, checked.restarts))
 
 
 def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
@@ -213,6 +231,14 @@ def check_writable(run_dir: Path) -> None:
         ) from None
 
 
+def lay_out(cfg: TrainConfig, stop_check: Callable[[], None] = lambda: None,
+            say: Callable[[str], None] = stderr_line) -> tuple[TrainConfig, list[dict]]:
+    """The request laid out on the cluster this driver joined: room found (or waited for), then
+    --cpus-per-worker and --placement chosen; the laid-out config and the live nodes."""
+    nodes, free_cpus = wait_for_room(cfg, stop_check, say)
+    return dataclasses.replace(cfg, **layout(cfg, nodes, free_cpus, say)), nodes
+
+
 def wait_for_room(
     cfg: TrainConfig, stop_check: Callable[[], None] = lambda: None, say: Callable[[str], None] = stderr_line,
 ) -> tuple[list[dict], list[int]]:
@@ -223,13 +249,13 @@ def wait_for_room(
     cpus = cfg.cpus_per_worker or 1
     said = False
     while True:
-        nodes = resources.live_nodes()
+        nodes = cluster.live_nodes()
         # What the nodes have, then what of it is free: Ray Train would wait forever for either,
         # retrying its worker-group start without a word.
-        problem = resources.placement_problem(cfg.workers, cpus, cfg.gpu, nodes)
+        problem = fit.placement_problem(cfg.workers, cpus, cfg.gpu, nodes)
         if problem is None:
-            use = resources.node_use(settle_s=0.0 if said else resources.SETTLE_S)
-            problem = resources.busy_problem(cfg.workers, cpus, cfg.gpu, use, resources.placement_groups(),
+            use = cluster.node_use(settle_s=0.0 if said else cluster.SETTLE_S)
+            problem = fit.busy_problem(cfg.workers, cpus, cfg.gpu, use, cluster.placement_groups(),
                                              cfg.max_workers, cfg.wait_for_resources)
         if problem is None:
             break
@@ -247,9 +273,9 @@ def wait_for_room(
 
 
 def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int], say: Callable[[str], None] = stderr_line) -> dict[str, Any]:
-    """--cpus-per-worker and --placement, as given or chosen from the free CPUs (resources.choose_layout),
+    """--cpus-per-worker and --placement, as given or chosen from the free CPUs (fit.choose_layout),
     said in one line when chosen; refuse --loader ray where its decode tasks would get no CPU."""
-    chosen = resources.choose_layout(cfg, free_cpus)
+    chosen = fit.choose_layout(cfg, free_cpus)
     total = sum(int(n.get("CPU", 0)) for n in nodes)
     free = " free" if sum(free_cpus) < total else ""
     if cfg.loader == "ray" and sum(free_cpus) - cfg.workers * chosen.cpus_per_worker < 1:
@@ -267,16 +293,17 @@ def layout(cfg: TrainConfig, nodes: list[dict], free_cpus: list[int], say: Calla
     return chosen._asdict()
 
 
-def model_state(cfg: TrainConfig, shapes: ModelShapes, nodes: list[dict] | None = None) -> float:
+def model_state(cfg: TrainConfig, shapes: ModelShapes, nodes: list[dict] | None = None, local: bool = True) -> float:
     """Say, in one line, about how much model state (parameters, gradients, optimizer state) each
     rank will hold, under this strategy and the other, from the model's shapes (check_parts); and
     return this strategy's. With --gpu, refuse a run whose state alone exceeds the GPU memory,
     and warn when it takes over half of it (activations need the rest), naming --strategy fsdp.
-    `nodes` None: no cluster yet (--dry-run); then only a local GPU is looked at."""
+    `nodes` None: no cluster yet (--dry-run); then only a local GPU is looked at. `local`: the run's
+    Ray is the private one on this machine, whose GPUs can be measured here."""
     # What the cluster gives first, then the model: the driver's facts before the workers' code.
     world = cfg.workers  # an elastic run's smallest world: the most state per rank under FSDP
-    per_node = resources.ranks_per_node(cfg, nodes or [])
-    memory = resources.gpu_mib(nodes or [], local=session.ray_address(cfg) is None) if cfg.gpu else None
+    per_node = fit.ranks_per_node(cfg, nodes or [])
+    memory = fit.gpu_mib(nodes or [], local=local) if cfg.gpu else None
     mine = estimate_state_mib(shapes, cfg, world, per_node)
     # The other strategy, as its own run would be configured (DDP-only options dropped, not refused)
     other = dataclasses.replace(cfg, strategy="fsdp" if cfg.strategy == "ddp" else "ddp", sharding="full",

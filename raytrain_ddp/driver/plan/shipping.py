@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import ConfigError
 
 PROBE_TIMEOUT_S = 60.0
 """How long the per-node file check may take before we give up and ship the code."""
@@ -120,7 +120,7 @@ def user_code(code: dict[str, tuple[Path, Path]]) -> tuple[list[str], dict[str, 
     return [], shipped.runtime_env()  # Ray puts each worker's unpacked copy on its PYTHONPATH
 
 
-def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
+def ship_code(address: str | None, verbose: bool, runtime_env: dict[str, Any]) -> None:
     """Connect again, with the user's code as the job's runtime_env: the only way Ray uploads a
     local directory. Only on a multi-node cluster whose nodes lack the code (a local Ray never)."""
     import ray
@@ -129,4 +129,4 @@ def ship_code(cfg: TrainConfig, runtime_env: dict[str, Any]) -> None:
 
     if runtime_env:
         ray.shutdown()
-        connect(cfg, runtime_env)
+        connect(address, verbose, runtime_env)

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any
 
+from raytrain_ddp.run_records import RunState
+
 PLAIN_EVERY_S = 10.0
 """Plain mode prints a step line at most this often, so .out files stay readable."""
 
@@ -61,10 +63,10 @@ class Display:
         elif self.mode != "none":
             print(line, flush=True)
 
-    def update(self, run: dict[str, Any], step: dict[str, Any] | None, rows: list[dict]) -> None:
+    def update(self, state: RunState) -> None:
         # A row comes again unchanged after a resume (from the checkpoint), and anew for an epoch that
         # a restarted worker group redid: print each row once, and a redone epoch's again.
-        for row in rows:
+        for row in state.rows:
             if self.shown.get(row["epoch"]) == row:
                 continue
             self.print(epoch_line(row, self.epochs))
@@ -72,24 +74,25 @@ class Display:
             if self.task is not None:
                 self.bar.remove_task(self.task)
                 self.task = None
-        if step is None or step["epoch"] in {row["epoch"] for row in rows}:
+        step = state.step
+        if step is None or step.epoch in {row["epoch"] for row in state.rows}:
             return
-        total = run.get("steps_per_epoch")
+        total = state.steps_per_epoch
         if self.bar is not None:
-            fields = {"loss": f"{step['loss']:.4f}", "rate": f"{step['samples_per_s']:.0f}"}
-            if self.task is not None and self.task_epoch != step["epoch"]:
+            fields = {"loss": f"{step.loss:.4f}", "rate": f"{step.samples_per_s:.0f}"}
+            if self.task is not None and self.task_epoch != step.epoch:
                 self.bar.remove_task(self.task)  # a restarted worker group went back to an earlier epoch
                 self.task = None
             if self.task is None:
-                self.task = self.bar.add_task(f"epoch {step['epoch']}/{self.epochs}", total=total, **fields)
-                self.task_epoch = step["epoch"]
-            self.bar.update(self.task, completed=step["step"], **fields)
+                self.task = self.bar.add_task(f"epoch {step.epoch}/{self.epochs}", total=total, **fields)
+                self.task_epoch = step.epoch
+            self.bar.update(self.task, completed=step.step, **fields)
         elif (self.mode == "plain" and time.monotonic() - self.last_plain >= PLAIN_EVERY_S
-              and (step["epoch"], step["step"]) != self.plain_step):
-            self.last_plain, self.plain_step = time.monotonic(), (step["epoch"], step["step"])
+              and (step.epoch, step.step) != self.plain_step):
+            self.last_plain, self.plain_step = time.monotonic(), (step.epoch, step.step)
             self.print(
-                f"epoch {step['epoch']}/{self.epochs} step {step['step']}/{total}  "
-                f"loss {step['loss']:.4f}  {step['samples_per_s']:.1f} samples/s"
+                f"epoch {step.epoch}/{self.epochs} step {step.step}/{total}  "
+                f"loss {step.loss:.4f}  {step.samples_per_s:.1f} samples/s"
             )
 
     def close(self) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import STRATEGIES, ConfigError, TrainConfig
-from raytrain_ddp.driver.run import command as driver
 from raytrain_ddp.driver.plan import run_lock
-from raytrain_ddp.run_files import read_csv, write_atomic
 from raytrain_ddp.driver.plan.preflight import resolve_run
+from raytrain_ddp.driver.run import command as driver
+from raytrain_ddp.run_files import read_csv, write_atomic
 
 COLUMNS = [
     "strategy",

@@ -1,5 +1,5 @@
-"""The driver's session with Ray: connecting (or starting a private local Ray), the actors it places
-on its own node, Ray Train's configs for a planned run, and fit() on a thread of its own."""
+"""The driver's session with Ray: joining a cluster (or starting the private local Ray), the watch
+that says when it went away, and the one-line refusals of a cluster this driver cannot join."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import re
 import socket
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.driver.session import keeper
-from raytrain_ddp.ray_compat import has
 from raytrain_ddp.ray_compat.state import cluster_ray_version, quiet_ray_notices, use_token_auth
 
 if TYPE_CHECKING:
@@ -30,23 +28,23 @@ def ray_address(cfg: TrainConfig) -> str | None:
     return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None:
-    """Join (or start) the Ray cluster. `runtime_env` is the job's, for all its workers: Ray ships a
-    local directory (the user's code) only when the connection is made with it."""
+def connect(address: str | None, verbose: bool = False, runtime_env: dict[str, Any] | None = None) -> None:
+    """Join the Ray cluster at `address` (ray_address), or start the private one where it is None.
+    `runtime_env` is the job's, for all its workers: Ray ships a local directory (the user's code)
+    only when the connection is made with it. The one ray.init of the driver side."""
     global _joined
     import ray
 
     if ray.is_initialized():  # `raytrain scale` runs several trainings on one connection
         return
-    address = ray_address(cfg)
     if address is None:
         # Our own head, by its address and token: never whatever Ray this machine last started
         # (None or "auto"), which may be another user's or another job's.
-        if not cfg.verbose:
+        if not verbose:
             quiet_ray_notices()
-        private = private_ray_up(cfg)
+        private = private_ray_up()
         use_token_auth(str(private.token))
-        join(private.address, runtime_env, cfg.verbose, private.directory / "driver-connect.log",
+        join(private.address, runtime_env, verbose, private.directory / "driver-connect.log",
              refused=f"this driver's private Ray at {private.address} refused its own token (a bug of raytrain's: "
                      f"please report it); its logs: {private.directory}",
              fix=f"its logs: {private.directory}")
@@ -57,7 +55,7 @@ def connect(cfg: TrainConfig, runtime_env: dict[str, Any] | None = None) -> None
     if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_TOKEN"):
         # A driver that names an address does not turn token auth on by itself, even with a token.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-    join(address, runtime_env, cfg.verbose, None,
+    join(address, runtime_env, verbose, None,
          refused=f"the Ray cluster at {address} refused our auth token; set RAY_AUTH_TOKEN_PATH to the cluster's "
                  "token file (and RAY_AUTH_MODE=token)",
          fix="check --address or $RAY_ADDRESS, and for a token-secured cluster RAY_AUTH_MODE=token and "
@@ -107,11 +105,16 @@ _joined: GcsWatch | None = None
 
 
 def start_private_ray(cfg: TrainConfig) -> None:
-    """Spawn the private Ray now, when the command will want one: it comes up while the driver
-    imports torch and checks the request. It ends when this process does (PrivateRay.stop at exit,
-    or its keeper on seeing this process gone)."""
+    """Spawn the private Ray now, when the command will want one (no --address): it comes up while the
+    driver imports torch and checks the request. It ends when this process does (PrivateRay.stop at
+    exit, or its keeper on seeing this process gone)."""
+    if ray_address(cfg) is None:
+        spawn_private_ray()
+
+
+def spawn_private_ray() -> None:
     global _private
-    if _private is not None or ray_address(cfg) is not None:
+    if _private is not None:
         return
     from raytrain_ddp.driver.session.private import PrivateRay
 
@@ -119,11 +122,11 @@ def start_private_ray(cfg: TrainConfig) -> None:
     atexit.register(stop_private_ray)  # after ray.shutdown, which ray.init registers later
 
 
-def private_ray_up(cfg: TrainConfig) -> PrivateRay:
+def private_ray_up() -> PrivateRay:
     global _private
     from raytrain_ddp.driver.session.private import up
 
-    start_private_ray(cfg)
+    spawn_private_ray()  # now, if the command did not at its start
     _private = up(_private)
     return _private
 
@@ -257,99 +260,3 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
             f"no Ray cluster answers at {address} ({err.strerror or err}); check --address or "
             "$RAY_ADDRESS, and that the head node is up"
         ) from None
-
-
-def on_this_node() -> Any:
-    """Ray's placement for the driver's own actors (metrics sink, launch hub): the driver's node.
-    A 0-CPU actor may land on any node, and one on a worker node would die with it, taking an
-    elastic run that should have gone on with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def trainer_configs(cfg: TrainConfig) -> tuple[Any, Any, Any]:
-    """The ScalingConfig, RunConfig and backend config (TorchConfig's work, process_group.py) this run
-    hands to TorchTrainer."""
-    from ray.train import (
-        CheckpointConfig,
-        FailureConfig,
-        RunConfig,
-        ScalingConfig,
-    )
-    from raytrain_ddp.worker.process_group import ProcessGroupConfig
-
-    resources = {"CPU": cfg.cpus_per_worker}
-    if cfg.gpu:
-        resources["GPU"] = 1
-    elastic = {"elastic_resize_monitor_interval_s": cfg.resize_check_s} if cfg.elastic else {}
-    scaling = ScalingConfig(
-        num_workers=(cfg.workers, cfg.max_workers) if cfg.elastic else cfg.workers,
-        use_gpu=cfg.gpu,
-        resources_per_worker=resources,
-        placement_strategy=cfg.placement.upper(),
-        **elastic,
-    )
-    run = RunConfig(
-        name=cfg.name,
-        storage_path=cfg.storage_path,
-        checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
-        failure_config=FailureConfig(max_failures=restarts(cfg)),
-        worker_runtime_env=worker_env(),
-        **train_log_level("INFO" if cfg.verbose else "WARNING"),
-    )
-    return scaling, run, ProcessGroupConfig(backend=cfg.resolved_backend)
-
-
-def restarts(cfg: TrainConfig) -> int:
-    """The worker-group failures Ray Train restarts from (FailureConfig's max_failures)."""
-    # A lost worker is a failure to Ray Train: an elastic run must be allowed some, or it could not shrink.
-    # Node drains (preemption) have their own budget, without limit, and never use these up.
-    return cfg.max_failures or (ELASTIC_RETRIES if cfg.elastic else 0)
-
-
-def train_log_level(level: str) -> dict[str, Any]:
-    """RunConfig's logging_config at `level`, where Ray Train has one (2.58 and later)."""
-    if not has("ray.train:LoggingConfig"):
-        return {}
-    from ray.train import LoggingConfig
-
-    return {"logging_config": LoggingConfig(log_level=level)}
-
-
-ELASTIC_RETRIES = 3
-"""Lost workers an elastic run recovers from when --max-failures is left at 0."""
-
-
-PASSED_TO_WORKERS = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")
-"""Env-var prefixes the driver hands to every worker: Ray workers inherit the raylet's environment,
-not the driver's, so `NCCL_SOCKET_IFNAME=ib0 raytrain run` would otherwise do nothing."""
-
-
-def worker_env() -> dict[str, Any] | None:
-    """The workers' runtime_env: the driver's NCCL/gloo variables, None when there are none (then a
-    worker may start in one of Ray's idle processes; ray_compat/controller.py keeps the controller's runtime_env
-    off them too). Ray sets OMP_NUM_THREADS to each worker's CPUs by itself."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    return {"env_vars": env} if env else None
-
-
-class FitThread(threading.Thread):
-    """trainer.fit() off the main thread; its error, if any, in `error` for the caller to judge.
-
-    In the main thread, Ray Train V2's fit() installs its own SIGINT handler
-    (DataParallelTrainer._register_sigint_handler) over ours: the first Ctrl-C aborts the run at once,
-    with no checkpoint, no summary and no signal to a launched script. It leaves SIGINT alone in any
-    other thread (as under Ray Tune), so the drivers' handlers in the main thread keep Ctrl-C."""
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__(name="raytrain-fit", daemon=True)  # a second Ctrl-C leaves it behind
-        self.trainer = trainer
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.trainer.fit()
-        except BaseException as err:  # the caller re-raises or judges it
-            self.error = err
