@@ -1,6 +1,6 @@
 """A stalled run still stops, and recovers where it may: a stop the ranks cannot answer ends them
 after --stop-grace-s (with the stall report), and under --max-failures a stall is a failure Ray Train
-restarts the worker group from (doctor/stall_watch.py's StallWatch, run.py's RunNews.stop_overdue). Validation is
+restarts the worker group from (doctor/stall_watch.py's StallWatch, driver/run/news.py's RunNews.stop_overdue). Validation is
 watched too, and a stop waits for validation that moves (sink.py's phases)."""
 
 from __future__ import annotations

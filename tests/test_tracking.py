@@ -15,6 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.driver.plan.preflight import check_installed
 from raytrain_ddp.driver.run import tracking
 from raytrain_ddp.run_files import CSV_COLUMNS
 
@@ -226,8 +227,8 @@ def test_no_tracker_does_nothing(tmp_path):
 @pytest.mark.parametrize("flag", ["mlflow", "wandb"])
 def test_check_installed(flag, monkeypatch):
     cfg = TrainConfig(**{flag: True})
-    tracking.check_installed(cfg)  # installed here: no error
+    check_installed(cfg)  # installed here: no error
     monkeypatch.setitem(sys.modules, flag, None)  # what `import` does for a package that is absent
-    tracking.check_installed(TrainConfig())  # not asked for: not imported
+    check_installed(TrainConfig())  # not asked for: not imported
     with pytest.raises(ConfigError, match=rf"--{flag} needs the {flag} package: pip install 'raytrain-ddp\[{flag}\]'"):
-        tracking.check_installed(cfg)
+        check_installed(cfg)

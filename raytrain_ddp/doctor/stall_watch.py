@@ -4,7 +4,7 @@ each rank is and which one the others wait for, end the ranks and fail the run, 
 out the collective's timeout (30 min).
 Where Ray Train may restart the worker group (--max-failures, an elastic run), a stall is one such
 failure: the ranks are ended and the group restarts from the latest checkpoint. A stop the ranks do
-not answer in time (run.py) gets the same report.
+not answer in time (driver/run/news.py) gets the same report.
 
 A step is known from rank 0's beats to the sink (sink.py: a step update about once a second, a
 validation batch at most once a second, and the end of a checkpoint, whose writing is no stall).

@@ -1,12 +1,12 @@
 """`raytrain sweep`: many runs of one base config, their parameters drawn from a space file, packed
 into the cluster the sweep has, with Ray Tune's schedulers (FIFO, or ASHA's early stopping).
 
-The trials are sampled once, up front, by Tune's own generator (sweep_space.py), and kept in
+The trials are sampled once, up front, by Tune's own generator (space.py), and kept in
 <storage-path>/<name>/sweep.json, so a dry run lists what the sweep will run and a rerun of the same
 command goes on with the same trials. Tune runs them (a trial is a whole `raytrain run`,
-sweep_trial.py), decides the cuts and keeps its experiment state in tune/, which a rerun restores:
+trial.py), decides the cuts and keeps its experiment state in tune/, which a rerun restores:
 finished and stopped trials stay as they ended, unfinished ones resume from their own checkpoints.
-What the user reads and the files at the end are sweep_report.py's.
+What the user reads and the files at the end are report.py's.
 """
 
 from __future__ import annotations

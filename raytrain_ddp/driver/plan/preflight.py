@@ -10,6 +10,8 @@ changed after: what the plan holds is what every rank gets.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +27,6 @@ from raytrain_ddp.driver.plan import fit, run_lock
 from raytrain_ddp.driver.plan.fit import size
 from raytrain_ddp.driver.plan.model_shapes import ModelShapes, estimate_state_mib, model_shapes
 from raytrain_ddp.driver.plan.ray_train import RayTrainConfigs, restarts, trainer_configs
-from raytrain_ddp.driver.run import tracking
 from raytrain_ddp.driver.session import cluster
 from raytrain_ddp.driver.session.connect import connect, ray_address
 from raytrain_ddp.ray_compat.snapshot import snapshot_ray_version
@@ -138,7 +139,7 @@ def check_request(
         cfg, run_dir = resolve_run(cfg)
         return RunPlan(cfg, run_dir, address=ray_address(cfg), restarts=restarts(cfg))
     cfg, given = user_parts(cfg, model, dataset)
-    tracking.check_installed(cfg)
+    check_installed(cfg)
     cfg, run_dir = resolve_run(cfg)
     shapes, lines, choice = check_parts(cfg, run_dir, given, dry)
     for line in lines:
@@ -338,3 +339,21 @@ def too_big(cfg: TrainConfig, mine: float, theirs: float, memory: tuple[float, s
         )
     print(f"warning: the model state, about {size(mine)} per GPU, leaves less than half of the {size(gpu_total)} of "
           f"{gpus} for activations; {fix}", file=sys.stderr)
+
+
+def check_installed(cfg: TrainConfig) -> None:
+    """Raise before training, not warn after it started, when a tracker asked for is not installed.
+    Looks without importing: fast, and leaves os.environ alone until the trackers start (run/tracking.py)."""
+    needs = {"mlflow": ["mlflow"], "wandb": ["wandb"]}
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        needs["mlflow"] += ["sqlalchemy", "alembic"]  # the local sqlite store; mlflow-skinny lacks them
+    for flag, modules in needs.items():
+        if getattr(cfg, flag) and not all(installed(m) for m in modules):
+            raise ConfigError(f"--{flag} needs the {flag} package: pip install 'raytrain-ddp[{flag}]'")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: set to None in sys.modules, which blocks its import
+        return False

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.run_files import write_json
 
 ENV_DEFAULTS = {
@@ -38,24 +38,6 @@ def load(name: str) -> Any:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     return importlib.import_module(name)
-
-
-def check_installed(cfg: TrainConfig) -> None:
-    """Raise before training, not warn after it started, when a tracker asked for is not installed.
-    Looks without importing: fast, and leaves os.environ alone until `start`."""
-    needs = {"mlflow": ["mlflow"], "wandb": ["wandb"]}
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        needs["mlflow"] += ["sqlalchemy", "alembic"]  # the local sqlite store; mlflow-skinny lacks them
-    for flag, modules in needs.items():
-        if getattr(cfg, flag) and not all(installed(m) for m in modules):
-            raise ConfigError(f"--{flag} needs the {flag} package: pip install 'raytrain-ddp[{flag}]'")
-
-
-def installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: set to None in sys.modules, which blocks its import
-        return False
 
 
 def numeric(row: dict[str, Any]) -> dict[str, float]:
