@@ -116,13 +116,13 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
         say(without)  # a launched script has no drain notices of ours
     stop_check()
     cfg, nodes = lay_out(checked.cfg, stop_check, say)
+    ray_train = trainer_configs(cfg, checked.restarts)
     state_mib = model_state(cfg, checked.model_shapes, nodes, local=checked.address is None) if trains else None
     if trains and not checked.cfg.resume:
         start_fresh(checked.run_dir)
     take_checkpoint(checked)
     marks["placement"] = time.time()
-    return dataclasses.replace(checked, cfg=cfg, state_mib=state_mib, marks=marks,
-                               ray_train=trainer_configs(cfg, checked.restarts))
+    return dataclasses.replace(checked, cfg=cfg, state_mib=state_mib, marks=marks, ray_train=ray_train)
 
 
 def check_request(
@@ -135,19 +135,18 @@ def check_request(
     send by value, the resume's lines (printed) and the model's shapes."""
     if cfg.elastic:
         ray_compat.require("elastic")
+    cfg, run_dir = resolve_run(cfg)
+    where = {"address": ray_address(cfg), "restarts": restarts(cfg)}  # what the cluster's part and Ray Train read
     if not trains:
-        cfg, run_dir = resolve_run(cfg)
-        return RunPlan(cfg, run_dir, address=ray_address(cfg), restarts=restarts(cfg))
+        return RunPlan(cfg, run_dir, **where)
     cfg, given = user_parts(cfg, model, dataset)
     check_installed(cfg)
-    cfg, run_dir = resolve_run(cfg)
     shapes, lines, choice = check_parts(cfg, run_dir, given, dry)
     for line in lines:
         print(line, file=sys.stderr)
     # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
     code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
-    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice,
-                   address=ray_address(cfg), restarts=restarts(cfg))
+    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice, **where)
 
 
 def unplaced(checked: RunPlan) -> RunPlan:

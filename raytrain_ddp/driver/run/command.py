@@ -40,6 +40,7 @@ def dry_run(cfg: TrainConfig) -> None:
     """Every check that needs no cluster and a trial of the first step on the CPU (trial_step.py), then
     the resolved config and Ray Train's configs; start nothing."""
     checked = preflight.check_request(cfg, dry=True)
+    configs = preflight.unplaced(checked).ray_train  # laid out over no nodes, as a start lays it out over its cluster's
     cfg, run_dir = checked.cfg, checked.run_dir
     preflight.model_state(cfg, checked.model_shapes, local=checked.address is None)  # with --gpu: a local GPU only
     if cfg.download or cfg.dataset == "parquet":  # files not there yet; a Parquet reader loads every row
@@ -50,7 +51,6 @@ def dry_run(cfg: TrainConfig) -> None:
     print(f"config:\n{dumps(cfg)}")
     if cfg.cpus_per_worker is None or cfg.placement is None:
         print("layout: --cpus-per-worker and --placement are chosen at start from the cluster's nodes (shown as 1, spread)")
-    configs = preflight.unplaced(checked).ray_train
     print(f"run directory: {run_dir}")
     print(f"ray address: {checked.address or 'a new private local Ray'}")
     print(f"{configs.scaling}\n{configs.run}\n{configs.backend}")
