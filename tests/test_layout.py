@@ -297,6 +297,18 @@ def test_benchmarks_and_tools_have_no_entry_of_their_own():
     assert entries == ["raytrain_ddp.bench.torchrun_baseline", "raytrain_ddp.cli.reference", "raytrain_ddp.driver.session.keeper"]
 
 
+def test_the_keeper_imports_only_the_standard_library_and_no_neighbour_shadows_it():
+    """The private Ray's keeper runs by its file path (python .../keeper.py), with nothing of ours, so
+    its folder comes first on its sys.path: a module beside it named like one of the standard
+    library's would be imported in its place."""
+    import sys
+
+    keeper = "raytrain_ddp.driver.session.keeper"
+    assert {m.split(".")[0] for m in imports(keeper)} - {"__future__"} <= set(sys.stdlib_module_names)
+    beside = {p.stem for p in MODULES[keeper].parent.glob("*.py")}
+    assert beside & set(sys.stdlib_module_names) == set()
+
+
 def test_checkpoint_file_names_are_light():
     """The file names are declared once, where the driver can read them without torch or Ray."""
     assert {m.split(".")[0] for m in imported_with("raytrain_ddp.checkpoint.files")} & {"torch", "ray"} == set()

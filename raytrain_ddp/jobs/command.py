@@ -41,7 +41,7 @@ from raytrain_ddp.launch.target import LAUNCH_FIELDS, find_target
 PACKAGE = Path(__file__).resolve().parents[1]
 """raytrain_ddp/, the source the job ships (found by path: the driver side never imports the package's face)."""
 
-STOP_GRACE_S = 60
+JOB_STOP_WAIT_S = 60
 """Seconds from `raytrain stop`'s SIGTERM to Ray's SIGKILL. The run checkpoints at its next agreed
 step and exits in between; Ray's default, 3 s, is too short to save a checkpoint."""
 
@@ -212,7 +212,7 @@ def entrypoint(cfg: TrainConfig) -> str:
 def runtime_env() -> dict[str, Any]:
     """The package's source (never .venv, runs/ or tests), and the NCCL/Gloo settings you exported."""
     env_vars = {k: v for k, v in os.environ.items() if k.startswith(PASSED_TO_WORKERS)}
-    env_vars["RAY_JOB_STOP_WAIT_TIME_S"] = str(STOP_GRACE_S)
+    env_vars["RAY_JOB_STOP_WAIT_TIME_S"] = str(JOB_STOP_WAIT_S)
     return {
         "py_modules": [str(PACKAGE)],
         "excludes": ["__pycache__", "*.pyc"],
@@ -376,7 +376,7 @@ def stop(address: str | None, job_id: str) -> int:
         now = client.get_job_status(job_id)
     if stopping:
         say(f"stopping {job_id}: SIGTERM now; a run checkpoints at its next agreed step and exits "
-            f"(Ray kills it after {STOP_GRACE_S} s). Watch: raytrain status {job_id} --address {url}")
+            f"(Ray kills it after {JOB_STOP_WAIT_S} s). Watch: raytrain status {job_id} --address {url}")
     else:
         say(f"{job_id} had already ended: {now}")
     return 0
