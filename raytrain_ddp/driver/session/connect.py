@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 
 def ray_address(cfg: TrainConfig) -> str | None:
+    """The cluster a request names: --address, else $RAY_ADDRESS; None for the private local Ray."""
     return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 

@@ -116,8 +116,6 @@ def with_fresh_ports(start: Callable[[int], T], log: Callable[[], Path]) -> T:
     raise AssertionError("unreachable")
 
 
-
-
 def last_said(log: Path) -> str:
     """The last line a `ray start` wrote to `log`, cut to 300 characters; empty if it wrote none."""
     said = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
