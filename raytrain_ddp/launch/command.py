@@ -20,8 +20,7 @@ from raytrain_ddp.config import STOP_GRACE_S, ConfigError, TrainConfig
 from raytrain_ddp.doctor.launch_watch import StackWatch
 from raytrain_ddp.doctor.stall_watch import Report
 from raytrain_ddp.driver.core import drive as core
-from raytrain_ddp.driver.core.drive import Signals, StartupClock, drive
-from raytrain_ddp.driver.core.drive import on_this_node
+from raytrain_ddp.driver.core.drive import Signals, StartupClock, drive, on_this_node
 from raytrain_ddp.driver.core.startup import LAUNCH_STAGES
 from raytrain_ddp.driver.plan import preflight, shipping
 from raytrain_ddp.driver.plan.preflight import RunPlan

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
-from raytrain_ddp.driver.core.startup import stages, stages_line
-from raytrain_ddp.driver.core.startup import summary as startup_summary
+from raytrain_ddp.driver.core.startup import stages, stages_line, summary as startup_summary
 from raytrain_ddp.driver.plan.preflight import RunPlan
 from raytrain_ddp.driver.session.connect import LOST_SETTLE_S, ray_lost
 from raytrain_ddp.run_files import write_json

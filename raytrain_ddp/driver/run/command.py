@@ -19,8 +19,7 @@ from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
 from raytrain_ddp.config import ConfigError, TrainConfig, dumps
 from raytrain_ddp.doctor.bad_nodes import blame, crash_hosts, stall_hosts
 from raytrain_ddp.doctor.stragglers import most_uneven
-from raytrain_ddp.driver.core.drive import Signals, StartupClock, drive, write_summary
-from raytrain_ddp.driver.core.drive import on_this_node
+from raytrain_ddp.driver.core.drive import Signals, StartupClock, drive, on_this_node, write_summary
 from raytrain_ddp.driver.core.startup import RUN_STAGES
 from raytrain_ddp.driver.plan import preflight, run_lock
 from raytrain_ddp.driver.plan.preflight import RunPlan
