@@ -5,9 +5,11 @@ figures) is checked in test_cli.py's run."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,56 @@ def test_pairings_are_disjoint_rounds_that_never_repeat_a_pair(count):
     # With three nodes or more, every node meets at least two partners: one slow partner cannot hide it.
     if count >= 3:
         assert all(sum(n in pair for pairs in rounds for pair in pairs) >= 2 for n in range(count))
+
+
+def cpu_cgroup() -> Path | None:
+    """Where this machine's CPU quotas are set: cgroup v1's cpu controller, or v2's root; None without one."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        return v1
+    controllers = v2 / "cgroup.controllers"
+    return v2 if controllers.exists() and "cpu" in controllers.read_text().split() else None
+
+
+CPU_CGROUP = cpu_cgroup()
+
+
+GEMM_IN_A_CGROUP = """
+import os, sys
+cgroup = sys.argv[1]
+if cgroup:
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+import torch
+from raytrain_ddp.worker.measure.health_check import gemm_gflops
+torch.set_num_threads(1)
+print(gemm_gflops(torch.device("cpu")))
+"""
+
+
+def gemm_in(cgroup: Path | None) -> float:
+    out = subprocess.run([sys.executable, "-c", GEMM_IN_A_CGROUP, str(cgroup or "")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or CPU_CGROUP is None, reason="needs root and a cgroup cpu controller")
+def test_a_rank_held_to_a_share_of_a_core_shows_that_share():
+    """A container's CPU limit (a cgroup quota, as the Slurm testbed's slow node has): 20% of one core
+    must read as a slow GEMM, not as the burst that fits in each quota period. ci (2026-11-29): a
+    throttled node measured 72.6 GFLOPS against its unthrottled peer's 58.3, and went unnamed."""
+    cgroup = CPU_CGROUP / f"rt-health-test-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        if (cgroup / "cpu.cfs_quota_us").exists():
+            (cgroup / "cpu.cfs_period_us").write_text("100000")
+            (cgroup / "cpu.cfs_quota_us").write_text("20000")
+        else:
+            if "cpu" not in (CPU_CGROUP / "cgroup.subtree_control").read_text().split():
+                (CPU_CGROUP / "cgroup.subtree_control").write_text("+cpu")
+            (cgroup / "cpu.max").write_text("20000 100000")
+        free, held = gemm_in(None), gemm_in(cgroup)
+    finally:
+        cgroup.rmdir()
+    assert held < 0.5 * free, (held, free)

@@ -26,6 +26,10 @@ ROUNDS = 3
 meets at least one sound partner beside a slow one."""
 GEMM_S = 0.3
 """About how long each rank's timed GEMMs run, after one warm-up."""
+SAMPLE_S = 0.1
+"""On a CPU, each timed sample runs GEMMs for at least this long, a CPU quota's whole period (CFS's
+is 100 ms): a rank held to a share of a core by a cgroup (a container's CPU limit) then shows its
+share, where a sample shorter than the period could run in the burst that the quota allows first."""
 EXCHANGE_MIB = {False: 4, True: 64}
 """The message each side of a pair sends per exchange, on CPU (gloo) and on GPU (NCCL): MiB."""
 EXCHANGES = 5
@@ -131,11 +135,12 @@ def gemm_gflops(device: Any) -> float:
     sync(device)
     rates, began = [], time.perf_counter()
     while len(rates) < 3 or (time.perf_counter() - began < GEMM_S and len(rates) < 50):
-        start = time.perf_counter()
-        for _ in range(per_rep):
+        start, reps = time.perf_counter(), 0
+        while reps < per_rep or (not gpu and time.perf_counter() - start < SAMPLE_S):  # a GPU's sync ends the sample
             torch.mm(a, b)
+            reps += 1
         sync(device)
-        rates.append(2 * n**3 * per_rep / (time.perf_counter() - start) / 1e9)
+        rates.append(2 * n**3 * reps / (time.perf_counter() - start) / 1e9)
     return statistics.median(rates)
 
 
