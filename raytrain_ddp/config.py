@@ -186,7 +186,8 @@ class TrainConfig:
     name: str | None = None
     """Run name, the directory under --storage-path. Default: run-YYYYmmdd-HHMMSS."""
     progress: str = "auto"
-    """Driver progress display: rich bar, plain lines, or none. auto = rich on a TTY, else plain."""
+    """Driver progress display: rich bar, plain lines, or none. auto = rich on a TTY, else plain. The
+    rich display also says, until the first step, what the start waits for (stage and seconds)."""
     verbose: bool = False
     """Show Ray's own logs."""
     tensorboard: bool = False

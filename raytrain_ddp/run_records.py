@@ -99,6 +99,9 @@ class RunState:
     resizes: tuple[Resize, ...] = ()
     startup: dict[str, float] | None = None
     """The first worker group's start-up marks."""
+    reached: dict[str, float] = field(default_factory=dict)
+    """Rank 0's start-up marks as it takes them, before its group's start (`startup`) has them all:
+    for the start's live line."""
     first_step_unix: float | None = None
     """When the run's first step ended (time.time()): the start-up's end, as benchmarks measure it."""
     drain_saved: tuple[int, int] | None = None

@@ -127,6 +127,7 @@ def test_the_quick_start_trains_on_a_private_ray_of_this_release(tmp_path, comma
     assert not [line for line in (proc.stdout + proc.stderr).splitlines() if RAY_LOG_LINE.match(line)], proc.stderr
     if command == "run":
         assert "done: 2 gloo workers" in proc.stdout, proc.stdout
+        assert "starting " not in proc.stdout + proc.stderr  # the start's live line is a terminal's (test_start_line.py)
     elif command == "launch":
         [run] = (tmp_path / "runs").iterdir()
         assert json.loads((run / "summary.json").read_text())["exit_codes"] == [0, 0]

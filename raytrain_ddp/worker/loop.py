@@ -110,24 +110,26 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     # [1] The rank: threads, seed, device, and who runs where.
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    if rank == 0:  # the start's live line on the driver
+        sink.reached.remote("imports", marks["imports"])
     torch.set_num_threads(cfg.cpus_per_worker)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     device = ray.train.torch.get_device()
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
     ranks = where_ranks_run(world_size)
-    marks["process group"] = time.time()  # every rank has arrived (and NCCL made its communicator)
+    mark(marks, "process group", sink, rank)  # every rank has arrived (and NCCL made its communicator)
     if rank == 0:
         sink.arrived.remote(ranks)  # the stall watch covers the start-up from here
     if cfg.health != "off":
         if not health_check.before_training(cfg.health, sink, rank, world_size, device):
             return  # --health exclude named a node: the driver ends the run, before any data or model
-        marks["health"] = time.time()
+        mark(marks, "health", sink, rank)
 
     # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
     build_data = dataset_builder(cfg.dataset, given.get("dataset"))
     loaders = make_loaders(cfg, rank, world_size, device.type == "cuda", build_data)
-    marks["data"] = time.time()
+    mark(marks, "data", sink, rank)
 
     # [3] Model, optimizer, mixed precision.
     accum = cfg.accum_steps(world_size)  # --global-batch-size holds at every world size
@@ -168,6 +170,13 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
             return
     if rank == 0 and host_sync.syncs() is not None:  # a benchmark counted the passes' syncs (bench/overhead.py)
         (Path(cfg.storage_path) / cfg.name / host_sync.COUNT_FILE).write_text(json.dumps({"syncs": host_sync.syncs()}))
+
+
+def mark(marks: dict[str, float], stage: str, sink: Any, rank: int) -> None:
+    """Take start-up mark `stage` (startup.py); rank 0 tells the driver at once, for its live line."""
+    marks[stage] = time.time()
+    if rank == 0:
+        sink.reached.remote(stage, marks[stage])
 
 
 def where_ranks_run(world_size: int) -> list[dict[str, Any]]:

@@ -23,6 +23,23 @@ LAUNCH_STAGES = ("python", "checks", "connect", "placement", "workers", "rendezv
 0's agent runs, the ranks meeting in the hub (a fresh rendezvous port), and the script's process
 spawned."""
 
+WAITING_FOR = {
+    "python": "Python and raytrain's imports",
+    "checks": "checking the request",
+    "connect": "joining Ray",
+    "placement": "fitting the request to the cluster",
+    "workers": "Ray Train starting the workers",
+    "imports": "rank 0 importing the loop",
+    "process group": "the ranks meeting",
+    "health": "the health check",
+    "data": "building the data loaders",
+    "model": "building the model",
+    "first step": "the first step",
+    "rendezvous": "the ranks meeting in the hub",
+    "script start": "the script starting",
+}
+"""What a start waits for in each stage, as the start's live line says it."""
+
 
 def process_started() -> float:
     """When this process began, as time.time(), so a command's start-up counts the interpreter and its
@@ -47,6 +64,17 @@ def stages(begin: float, marks: dict[str, float], order: tuple[str, ...]) -> dic
             out[name] = round(max(marks[name] - last, 0.0), 3)
             last = max(last, marks[name])
     return out
+
+
+def waiting_line(begin: float, marks: dict[str, float], order: tuple[str, ...], now: float) -> str:
+    """A start's live line at `now`: its seconds so far, and the stage it is in with that stage's
+    seconds. The stage is the one after the latest mark taken, so a stage that never comes (health,
+    when off) is passed over, not waited on."""
+    done = [i for i, name in enumerate(order) if name in marks]
+    stage = order[min(done[-1] + 1, len(order) - 1)] if done else order[0]
+    since = max((marks[order[i]] for i in done), default=begin)
+    return (f"starting {max(now - begin, 0.0):.0f} s: {WAITING_FOR.get(stage, stage)} "
+            f"({stage}, {max(now - since, 0.0):.0f} s)")
 
 
 def stages_line(seconds: dict[str, float], until: str = "") -> str:

@@ -87,28 +87,31 @@ class RunPlan:
 
 
 def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bool = True,
-         stop_check: Callable[[], None] = lambda: None, say: Callable[[str], None] = stderr_line) -> RunPlan:
+         stop_check: Callable[[], None] = lambda: None, say: Callable[[str], None] = stderr_line,
+         marks: dict[str, float] | None = None) -> RunPlan:
     """Check the request, take its run directory (run_lock.py), connect to Ray, and fit it to the
     cluster (--wait-for-resources waits that long for room first). `trains`: the command trains our
     loop (run), not a script of the user's (launch), so the model, data, trackers and resume are
     checked too. `stop_check`: called once Ray is joined and every second of the wait; it puts the
     command's signal handlers back (ray.init replaces SIGTERM's) and raises for a stop that came.
-    `say`: how the command prints its own lines (launch prefixes them, beside the script's)."""
+    `say`: how the command prints its own lines (launch prefixes them, beside the script's). `marks`:
+    the dict the start-up marks go into as each stage ends (the start's live line reads it)."""
     checked = check_request(cfg, model, dataset, trains=trains)
     made = run_lock.made_by(checked.run_dir)
     run_lock.take(checked.run_dir)  # before anything is moved, started or said: a live driver's name is refused alone
     try:
-        return fit_to_cluster(checked, trains, stop_check, say)
+        return fit_to_cluster(checked, trains, stop_check, say, {} if marks is None else marks)
     except BaseException:
         run_lock.abandon(checked.run_dir, made)  # the Python API's caller may try again; no empty run left
         raise
 
 
-def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None], say: Callable[[str], None]) -> RunPlan:
+def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None], say: Callable[[str], None],
+                   marks: dict[str, float]) -> RunPlan:
     """The plan's part on the cluster: Ray joined, room found, the layout; then, as a refused request
     changes nothing, a fresh start's move aside or the resume's choice made good."""
     check_writable(checked.run_dir)
-    marks = {"checks": time.time()}
+    marks["checks"] = time.time()
     connect(checked.address, checked.cfg.verbose)
     marks["connect"] = time.time()
     # Once joined: a driver that Ray refuses has its one line to say, and nothing else.

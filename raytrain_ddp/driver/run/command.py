@@ -71,16 +71,21 @@ def run(cfg: TrainConfig, model: Any = None, dataset: Any = None, launched: floa
     if on_rows is None and (trained := already_trained(cfg)) is not None:
         return trained
     start_private_ray(cfg)  # without --address: it starts while the request is checked
+    marks: dict[str, float] = {}  # the plan's start-up marks, as it takes them: the display's live line reads them
+    display = Display(cfg.progress, cfg.epochs, begin=launched, started=started, marks=marks)
     with signals or Signals() as signals:
-        plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start)
         try:
-            if code_paths is None:
-                code_paths, code_env = user_code(plan.code)
-                ship_code(plan.address, plan.cfg.verbose, code_env)
-            signals.stop_before_start()
-            return train(plan, signals, code_paths, started, launched, on_rows)
+            plan = preflight.plan(cfg, model, dataset, stop_check=signals.stop_before_start, marks=marks)
+            try:
+                if code_paths is None:
+                    code_paths, code_env = user_code(plan.code)
+                    ship_code(plan.address, plan.cfg.verbose, code_env)
+                signals.stop_before_start()
+                return train(plan, display, signals, code_paths, started, launched, on_rows)
+            finally:
+                run_lock.release(plan.run_dir)  # the Python API's process lives on: another driver may have the name
         finally:
-            run_lock.release(plan.run_dir)  # the Python API's process lives on: another driver may have the name
+            display.close()
 
 
 def already_trained(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -106,8 +111,8 @@ def already_trained(cfg: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
-def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float, launched: float | None,
-          on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+def train(plan: RunPlan, display: Display, signals: Signals, code_paths: list[str], started: float,
+          launched: float | None, on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
     """Start the trainer and watch it to its end; the summary, or why the run did not finish."""
     # TorchTrainer is DataParallelTrainer with TorchConfig, whose work ours does (ProcessGroupConfig),
     # and its module imports torch: the driver of a run checked without torch never imports it.
@@ -118,7 +123,6 @@ def train(plan: RunPlan, signals: Signals, code_paths: list[str], started: float
     from raytrain_ddp.worker.entry import train_entry
 
     cfg = plan.cfg
-    display = Display(cfg.progress, cfg.epochs)
     trackers = tracking.start(cfg, plan.run_dir)
     configs = plan.ray_train
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()

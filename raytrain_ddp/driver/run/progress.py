@@ -1,4 +1,5 @@
-"""What the user watches on the driver: a rich bar on a terminal, plain lines in a Slurm .out file."""
+"""What the user watches on the driver: a rich bar on a terminal, plain lines in a Slurm .out file.
+On a terminal the start has a line of its own too, which says what it waits for, until the first step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 import time
 from typing import Any
 
+from raytrain_ddp.driver.core.startup import RUN_STAGES, waiting_line
 from raytrain_ddp.run_records import RunState
 
 PLAIN_EVERY_S = 10.0
@@ -27,9 +29,16 @@ def epoch_line(row: dict[str, Any], epochs: int) -> str:
 
 
 class Display:
-    """Turns successive polls of the MetricsSink into output. mode: rich, plain or none."""
+    """Turns successive polls of the MetricsSink into output. mode: rich, plain or none.
 
-    def __init__(self, mode: str, epochs: int):
+    In rich mode, from the command's start until the first step, a line that updates says which
+    stage the start is in: `begin` is when the command's process began, `started` when its run()
+    was called (both time.time()), and `marks` the driver's start-up marks (startup.py), which its
+    plan fills in as it goes; the sink's news adds rank 0's.
+    """
+
+    def __init__(self, mode: str, epochs: int, begin: float | None = None, started: float | None = None,
+                 marks: dict[str, float] | None = None):
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode, self.epochs = mode, epochs
@@ -38,6 +47,11 @@ class Display:
         self.plain_step: tuple[int, int] | None = None
         """(epoch, step) of the last plain step line: a stalled run's step is not printed again."""
         self.bar = self.task = self.task_epoch = None
+        self.begin, self.marks = begin or time.time(), marks if marks is not None else {}
+        self.started_at = started or self.begin
+        self.rank_marks: dict[str, float] = {}
+        self.started = False
+        """The first step came (or the run ended first): the start's line is gone."""
         if mode == "rich":
             from rich.progress import (
                 BarColumn,
@@ -46,7 +60,19 @@ class Display:
                 TimeRemainingColumn,
             )
 
-            self.bar = Progress(
+            display = self
+
+            class StartAndBar(Progress):
+                """Rich's bar, below the start's line while there is one: one live area, so neither
+                draws over the other (rich allows one at a time)."""
+
+                def get_renderables(self):  # type: ignore[no-untyped-def]
+                    if not display.started:
+                        marks = {"python": display.started_at, **display.marks, **display.rank_marks}
+                        yield waiting_line(display.begin, marks, RUN_STAGES, time.time())
+                    yield from super().get_renderables()
+
+            self.bar = StartAndBar(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 TextColumn("step {task.completed}/{task.total}"),
@@ -64,6 +90,8 @@ class Display:
             print(line, flush=True)
 
     def update(self, state: RunState) -> None:
+        self.rank_marks = state.startup or state.reached  # rank 0's, as it takes them
+        self.started = self.started or state.step is not None or bool(state.rows)
         # A row comes again unchanged after a resume (from the checkpoint), and anew for an epoch that
         # a restarted worker group redid: print each row once, and a redone epoch's again.
         for row in state.rows:
@@ -96,5 +124,7 @@ class Display:
             )
 
     def close(self) -> None:
+        """Stop the live area (its lines go); what is printed after goes out as plain lines."""
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None

@@ -40,6 +40,12 @@ class Sink:
     def update(self, **fields: Any) -> None:
         self.state = dataclasses.replace(self.state, **fields)
 
+    def reached(self, stage: str, at: float) -> None:
+        """Rank 0 took start-up mark `stage` (startup.py) at `at`: the start's live line says so.
+        The first group's only, as the start-up line counts."""
+        if self.state.startup is None:
+            self.update(reached={**self.state.reached, stage: at})
+
     def arrived(self, ranks: list[dict[str, Any]]) -> None:
         """Every rank of a worker group met (rank 0, before the health check, the data and the model):
         the stall watch counts from here, so a rank that hangs in its start-up is named as one that
