@@ -1,5 +1,6 @@
 """The run's files on the driver: metrics.csv and .parquet (CSV_COLUMNS), summary.json and the rest,
-each written whole (a reader never sees half a file), and read back for verify and scale."""
+each written whole (a reader never sees half a file), and read back for verify and scale. A run
+directory is a local Path or an object store's ObjectPath (storage/): one PUT there is whole too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from raytrain_ddp.storage.object_path import ObjectPath
 
 CSV_COLUMNS = [
     "epoch",
@@ -32,8 +35,11 @@ CSV_COLUMNS = [
 ]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temp file and rename, so a reader never sees half a file."""
+def write_atomic(path: Path | ObjectPath, text: str) -> None:
+    """Write to a temp file and rename, so a reader never sees half a file (an object: one PUT)."""
+    if isinstance(path, ObjectPath):
+        path.write_text(text)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -47,10 +53,13 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     write_atomic(path, out.getvalue())
 
 
-def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_parquet(path: Path | ObjectPath, rows: list[dict[str, Any]]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if isinstance(path, ObjectPath):
+        pq.write_table(pa.Table.from_pylist(rows), path.key, filesystem=path.fs)
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(pa.Table.from_pylist(rows), tmp)
     os.replace(tmp, path)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,35 @@ def ray_head() -> Head:
         SHARED.append(head)
         yield head
         SHARED.clear()
+
+
+@dataclass(frozen=True)
+class S3:
+    """A real S3 server, moto's server mode, on this machine: its endpoint, and the environment that
+    points a driver at it (credentials, endpoint, region), with a bucket `runs` made."""
+
+    endpoint: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> S3:
+    """One S3 server for the session (per xdist worker), on a free port, as Ray's own tests start one."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port("127.0.0.1")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_ENDPOINT_URL_S3": endpoint,
+           "AWS_REGION": "us-east-1"}
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="runs")
+    try:
+        yield S3(endpoint, env)
+    finally:
+        server.stop()
 
 
 HELD_AFTER = """

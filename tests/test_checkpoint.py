@@ -3,6 +3,7 @@ under --no-resume, a worker killed for memory."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -21,6 +22,8 @@ from raytrain_ddp.checkpoint.files import RESUME_INFO, SNAPSHOT, STATE
 from raytrain_ddp.checkpoint.files import latest_checkpoint as resumes_from
 from raytrain_ddp.data.torch_ingest import sample_seed
 from raytrain_ddp.run_files import read_csv
+from raytrain_ddp.storage.location import storage_root
+from raytrain_ddp.storage.object_path import ObjectPath
 
 pytestmark = pytest.mark.e2e
 
@@ -48,8 +51,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return run_dir / snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(latest_checkpoint(run_dir) / STATE, weights_only=True)["model"]
+def final_weights(run_dir: Path | ObjectPath) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO((latest_checkpoint(run_dir) / STATE).read_bytes()), weights_only=True)["model"]
 
 
 EPOCHS = 3
@@ -123,6 +126,28 @@ def test_a_run_killed_mid_epoch_resumes_bit_for_bit(ray_head, uninterrupted, tmp
     ours, reference = final_weights(tmp_path / "cut"), final_weights(uninterrupted)
     assert ours.keys() == reference.keys()
     assert [key for key in reference if not torch.equal(ours[key], reference[key])] == []
+
+
+def test_a_run_on_an_object_store_killed_mid_epoch_resumes_bit_for_bit(ray_head, s3_server, uninterrupted, tmp_path,
+                                                                        monkeypatch):
+    """#52: the same, with every file of the run on S3 (moto's server): the checkpoints Ray Train
+    uploads behind the steps, the driver's files, the run's lease. Nothing is written into the
+    working directory."""
+    for key, value in s3_server.env.items():  # this process reads the bucket as the driver does
+        monkeypatch.setenv(key, value)
+    root = f"s3://runs/exact-{time.time_ns()}"
+    cut = [*exact_run(tmp_path, "cut", workers=2, data_workers=1)[:-4], "--storage-path", root, "--name", "cut"]
+    env = {**ray_head.env, **s3_server.env}
+    before = sorted(p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__")
+    run_dir = storage_root(root) / "cut"
+    stop_mid_epoch(cut, env, run_dir, signal.SIGKILL).communicate(timeout=60)
+    again = raytrain("run", *cut, "--wait-for-resources", "60", env=env, cwd=SCRIPTS)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from the checkpoint at epoch 1" in again.stdout and f"-> {root}/cut" in again.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["final"]["epoch"] == EPOCHS
+    ours, reference = final_weights(run_dir), final_weights(uninterrupted)
+    assert [key for key in reference if not torch.equal(ours[key], reference[key])] == []
+    assert sorted(p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__") == before
 
 
 def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(ray_head, uninterrupted, tmp_path):

@@ -18,6 +18,7 @@ from torch import nn
 from raytrain_ddp.checkpoint import io, state_dicts
 from raytrain_ddp.checkpoint.rng import set_rng_states
 from raytrain_ddp.config import ConfigError, TrainConfig
+from raytrain_ddp.storage.location import is_uri
 
 
 class TrainingState(Protocol):
@@ -47,8 +48,9 @@ class Checkpointer:
     """As the strategy wrapped it (DDP or FSDP)."""
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    resume_from: str | None = None
-    """The driver's choice of checkpoint (the newest whole one), loaded while Ray has registered none in this run."""
+    resume_from: Any = None
+    """The driver's choice of checkpoint (the newest whole one), loaded while Ray has registered none in this
+    run: a local path, or a ray.train.Checkpoint on an object store (io.resumed_checkpoint)."""
 
     def save(
         self, state: TrainingState, step: int | None = None, force: bool = False, metrics: dict[str, Any] | None = None,
@@ -68,7 +70,7 @@ class Checkpointer:
             shared = {**dict(zip(("model", "optimizer"), whole or ())), "scaler": self.scaler.state_dict(), **training}
             info = self.resume_info(state, whole[0] if whole else shards["model"])
         metrics = metrics if metrics is not None else {"epoch": state.epoch, "position": state.position}
-        io.save(metrics, self.rank, shared, info, shards)
+        io.save(metrics, self.rank, shared, info, shards, behind=is_uri(self.cfg.storage_path))
         return True
 
     def due(self, step: int | None = None, force: bool = False) -> bool:

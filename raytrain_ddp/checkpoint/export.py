@@ -7,6 +7,7 @@ process without a process group, and put together (the optimizer's shards are le
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import torch
 
 from raytrain_ddp.checkpoint.files import SHARDS, STATE, latest_checkpoint
 from raytrain_ddp.config import ConfigError
+from raytrain_ddp.storage.location import RunPath
+from raytrain_ddp.storage.object_path import ObjectPath
 
 MODEL = "model."  # the model's keys in the shards, under "model" as state_dicts.sharded_state nests them
 
@@ -36,12 +39,21 @@ def model_state(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint_dir / STATE, map_location="cpu", weights_only=True)["model"]
 
 
-def export(run_dir: Path, to: Path) -> str:
-    """Write the latest checkpoint's model to `to`; returns the line to print."""
+def export(run_dir: RunPath, to: Path) -> str:
+    """Write the latest checkpoint's model to `to`; returns the line to print. One in an object store
+    is downloaded to a temporary directory first, and read there."""
     checkpoint_dir = latest_checkpoint(run_dir)
     if checkpoint_dir is None:
         raise ConfigError(f"{run_dir} has no registered checkpoint; pass a run directory of a run that saved one")
-    state = model_state(checkpoint_dir)
+    if isinstance(checkpoint_dir, ObjectPath):
+        from pyarrow.fs import LocalFileSystem, copy_files
+
+        with tempfile.TemporaryDirectory(prefix="raytrain-export-") as local:
+            copy_files(checkpoint_dir.key, local, source_filesystem=checkpoint_dir.fs,
+                       destination_filesystem=LocalFileSystem(), use_threads=False)  # as Ray copies
+            state = model_state(Path(local))
+    else:
+        state = model_state(checkpoint_dir)
     to.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, to)
     params = sum(value.numel() for value in state.values() if value.is_floating_point())

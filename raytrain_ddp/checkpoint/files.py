@@ -20,10 +20,10 @@ import time
 import zipfile
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import ConfigError
+from raytrain_ddp.storage.location import RunPath
 
 STATE = "state.pt"
 """Rank 0's training state: the schedule, scaler, position, running sums, rows and resizes, and under
@@ -50,7 +50,7 @@ def rank_file(rank: int) -> str:
 class ResumeChoice:
     """Which checkpoint a rerun resumes from, and what stood in the way of a newer one."""
 
-    checkpoint: Path | None
+    checkpoint: RunPath | None
     """The newest whole checkpoint; None when the run has none yet (a fresh start)."""
     skipped: tuple[tuple[str, str], ...] = ()
     """(name, why not whole) of each newer checkpoint, newest first."""
@@ -73,13 +73,13 @@ class ResumeChoice:
         return f"resume: skipped {skipped}; resuming from {self.checkpoint.name}{also}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run_dir: RunPath) -> RunPath | None:
     """The newest whole checkpoint of the run, as a resume takes it (resume_choice), or None: what
     `raytrain export` exports and a stop's line names."""
     return resume_choice(run_dir).checkpoint
 
 
-def resume_choice(run_dir: Path, ray_writes: str | None = None) -> ResumeChoice:
+def resume_choice(run_dir: RunPath, ray_writes: str | None = None) -> ResumeChoice:
     """The newest whole checkpoint: of those Ray's snapshot registered, its latest first, or where
     the snapshot is gone or unreadable, of the checkpoint directories themselves, newest first.
     ConfigError, naming each and why, when there are checkpoints and none is whole. `ray_writes`:
@@ -104,7 +104,7 @@ def resume_choice(run_dir: Path, ray_writes: str | None = None) -> ResumeChoice:
     return ResumeChoice(None, (), problem)
 
 
-def snapshot_names(run_dir: Path, ray_writes: str | None) -> tuple[list[str] | None, str | None]:
+def snapshot_names(run_dir: RunPath, ray_writes: str | None) -> tuple[list[str] | None, str | None]:
     """(the checkpoints Ray's snapshot registered, newest first; why Ray could not load it as it is).
     Names None: no snapshot, or one that cannot be read."""
     try:
@@ -128,7 +128,7 @@ def snapshot_names(run_dir: Path, ray_writes: str | None) -> tuple[list[str] | N
     return [latest["checkpoint_dir_name"], *newest] if latest.get("checkpoint_dir_name") else newest, problem
 
 
-def checkpoint_problem(checkpoint_dir: Path, registered: bool = True) -> str | None:
+def checkpoint_problem(checkpoint_dir: RunPath, registered: bool = True) -> str | None:
     """Why the checkpoint is not whole, in a few words; None when every file it should hold is
     there and reads whole. A checkpoint without RESUME_INFO predates it, if Ray `registered` it;
     if not, it is a copy that never finished."""
@@ -156,12 +156,12 @@ def checkpoint_problem(checkpoint_dir: Path, registered: bool = True) -> str | N
     return None
 
 
-def zip_problem(path: Path) -> str | None:
+def zip_problem(path: RunPath) -> str | None:
     """Why `path` is not a whole torch.save archive, from its end alone (the zip's central
     directory), never reading its tensors; None when it is."""
     try:
         size = path.stat().st_size
-        with zipfile.ZipFile(path) as archive:
+        with path.open("rb") as f, zipfile.ZipFile(f) as archive:  # on an object store: ranged reads
             members = archive.infolist()
     except FileNotFoundError:
         return f"{path.name} is missing"
@@ -175,7 +175,7 @@ def zip_problem(path: Path) -> str | None:
     return None
 
 
-def set_aside(run_dir: Path) -> Path:
+def set_aside(run_dir: RunPath) -> RunPath:
     """Move Ray's SNAPSHOT aside, kept, so Ray starts a new one: our own choice of checkpoint then
     reaches the ranks (io.load). Returns its new path."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -187,7 +187,7 @@ def set_aside(run_dir: Path) -> Path:
     return aside
 
 
-def read_info(checkpoint_dir: Path) -> dict[str, Any] | None:
+def read_info(checkpoint_dir: RunPath) -> dict[str, Any] | None:
     """The checkpoint's RESUME_INFO, or None for one saved before checkpoints carried it."""
     try:
         return json.loads((checkpoint_dir / RESUME_INFO).read_text()) or None

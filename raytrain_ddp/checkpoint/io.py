@@ -44,14 +44,25 @@ from raytrain_ddp.checkpoint.rng import rng_states
 
 def save(
     metrics: dict[str, Any], rank: int, shared: dict[str, Any], info: dict[str, Any] | None = None,
-    shards: dict[str, Any] | None = None,
+    shards: dict[str, Any] | None = None, behind: bool = False,
 ) -> None:
     """Report `metrics` with a checkpoint. Every rank must call this at the same point; rank 0 gives
-    the shared state and the driver's RESUME_INFO; under FSDP every rank gives its `shards`."""
-    if shards is None:
+    the shared state and the driver's RESUME_INFO; under FSDP every rank gives its `shards`.
+    `behind`: the upload runs behind training (an object store's, which takes seconds per GiB where
+    a local copy takes a fraction); the step waits only for the local files."""
+    if shards is None and not behind:
         with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
             write_state(Path(tmp), rank, shared, info)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        return
+    if shards is None:
+        tmp = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-"))
+        write_state(tmp, rank, shared, info)
+        # Ray uploads it on its thread, one checkpoint after another, registers it once whole, then
+        # deletes the local files; fit() waits for the last one.
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
         return
     tmp = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-"))
     try:
@@ -101,12 +112,13 @@ def upload_when_written(written: Future, checkpoint: ray.train.Checkpoint, name:
     return ray.train.get_context().get_storage().persist_current_checkpoint(checkpoint, name)
 
 
-def resumed_checkpoint(resume_from: str | None) -> ray.train.Checkpoint | None:
+def resumed_checkpoint(resume_from: str | ray.train.Checkpoint | None) -> ray.train.Checkpoint | None:
     """The checkpoint to resume from: the latest Ray registered in this run, else the driver's
-    choice `resume_from` (the newest whole one, where Ray's run snapshot could not serve it)."""
+    choice `resume_from` (the newest whole one, where Ray's run snapshot could not serve it: a local
+    path, or a Checkpoint on an object store's filesystem)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None and resume_from is not None:
-        return ray.train.Checkpoint(resume_from)
+        return resume_from if isinstance(resume_from, ray.train.Checkpoint) else ray.train.Checkpoint(resume_from)
     return checkpoint
 
 

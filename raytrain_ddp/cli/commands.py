@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 
@@ -190,6 +190,9 @@ def stack_command(
     """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
     from raytrain_ddp.driver.look.stack import show_stacks
 
+    from raytrain_ddp.storage.location import local_only
+
+    local_only(storage_path, "stack")
     show_stacks(storage_path, name)
 
 
@@ -205,16 +208,20 @@ def verify_command(run_dir: Path = RUN_DIR) -> None:
 
 
 def export_command(
-    run_dir: Path = RUN_DIR,
+    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
+                                  help="A run directory: <storage-path>/<name>, on disk or in an object store (s3://...)."),
     to: Path = typer.Option(..., "--to", help="The file to write, e.g. model.pt."),
 ) -> None:
     """Write the latest checkpoint's model, DDP's or FSDP's, as one plain state dict for inference."""
     from raytrain_ddp.checkpoint.export import export
+    from raytrain_ddp.storage.location import check_store, storage_root
 
-    print(export(existing_run_dir(run_dir), to))
+    where = storage_root(run_dir)
+    check_store(where, run_dir)
+    print(export(existing_run_dir(where), to))
 
 
-def existing_run_dir(run_dir: Path) -> Path:
+def existing_run_dir(run_dir: Any) -> Any:
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a directory; pass a run directory such as runs/<name>")
     return run_dir

@@ -41,7 +41,7 @@ def record_bad_node(run_dir: Path, host: str, why: str) -> None:
     job = os.environ.get("SLURM_JOB_ID")
     node = BadNode(host, why, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), job,
                    int(os.environ.get("SLURM_RESTART_COUNT", "0")) if job else None)
-    path = Path(run_dir) / BAD_NODES
+    path = run_dir / BAD_NODES
     earlier = read_bad_nodes(run_dir)
     if not earlier and path.exists():
         path.replace(path.with_suffix(".json.unreadable"))  # kept aside, not overwritten
@@ -57,7 +57,7 @@ def record_bad_node(run_dir: Path, host: str, why: str) -> None:
 def read_bad_nodes(run_dir: Path) -> list[BadNode]:
     """The run's history of bad nodes; empty when it has none, or none that reads."""
     try:
-        records = json.loads((Path(run_dir) / BAD_NODES).read_text())
+        records = json.loads((run_dir / BAD_NODES).read_text())
         return [BadNode(**record) for record in records]
     except (OSError, ValueError, TypeError):
         return []
@@ -132,5 +132,5 @@ def blame(run_dir: Path, failure: BaseException, found: list[tuple[str, str]], h
     said = f"training failed: {found[0][1]}" if getattr(failure, "worker_failures", None) else one_line(failure)
     then = ("the Slurm job requeues without it" if requeue_asked()
             else f"leave it out of the next run (on Slurm: sbatch --exclude={','.join(hosts)})")
-    return NodeFailed(f"{said}; {', '.join(hosts)} recorded bad in {Path(run_dir) / BAD_NODES}: {then}",
+    return NodeFailed(f"{said}; {', '.join(hosts)} recorded bad in {run_dir / BAD_NODES}: {then}",
                       hosts, at_once=getattr(failure, "at_once", False))

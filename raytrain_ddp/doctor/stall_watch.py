@@ -76,7 +76,7 @@ class StallWatch:
     `restarts` fails the run; the ones before are failures Ray Train restarts the group from."""
 
     def __init__(self, sink: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None], restarts: int = 0) -> None:
-        self.sink, self.timeout, self.run_dir, self.say, self.restarts = sink, timeout, Path(run_dir), say, restarts
+        self.sink, self.timeout, self.run_dir, self.say, self.restarts = sink, timeout, run_dir, say, restarts
         self.stalls: list[Report] = []
         """The stalls the run recovered from (and the last, if it failed it)."""
         self.quiet = 0.0

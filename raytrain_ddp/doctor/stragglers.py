@@ -28,10 +28,13 @@ one line says that the ranks take turns (`not_comparable`).
 from __future__ import annotations
 
 import csv
+import io
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from raytrain_ddp.run_files import write_atomic
 
 PARTS = ("data", "forward", "backward", "comm")
 SLOWER = 0.20
@@ -221,21 +224,23 @@ def write_rank_times(run_dir: Path, by_epoch: dict[int, list[dict[str, Any]]], h
     """RANK_TIMES: one row per epoch and rank, its seconds in each part and what it keeps busy;
     RANK_WINDOWS: its seconds per window of the epoch's micro-batches, and its wait for a core."""
     seconds = ["data_s", "forward_s", "backward_s", "comm_s"]
-    with open(run_dir / RANK_TIMES, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["epoch", "rank", "host", *seconds, "threads", "loader_workers", "cores"])
-        for epoch in sorted(by_epoch):
+    times = io.StringIO()
+    out = csv.writer(times)
+    out.writerow(["epoch", "rank", "host", *seconds, "threads", "loader_workers", "cores"])
+    for epoch in sorted(by_epoch):
+        for r, rank in enumerate(by_epoch[epoch]):
+            busy = [rank["threads"], rank["loader_workers"], rank["cores"]]
+            out.writerow([epoch, r, host_of(hosts, r), *(rank[p] for p in PARTS), *busy])
+    windows = io.StringIO()
+    out = csv.writer(windows)
+    out.writerow(["epoch", "window", "rank", "host", "steps", *seconds, "queued_s"])
+    for epoch in sorted(by_epoch):
+        for w in range(len(by_epoch[epoch][0]["windows"])):
             for r, rank in enumerate(by_epoch[epoch]):
-                busy = [rank["threads"], rank["loader_workers"], rank["cores"]]
-                out.writerow([epoch, r, host_of(hosts, r), *(rank[p] for p in PARTS), *busy])
-    with open(run_dir / RANK_WINDOWS, "w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["epoch", "window", "rank", "host", "steps", *seconds, "queued_s"])
-        for epoch in sorted(by_epoch):
-            for w in range(len(by_epoch[epoch][0]["windows"])):
-                for r, rank in enumerate(by_epoch[epoch]):
-                    out.writerow([epoch, w, r, host_of(hosts, r), rank["window_steps"][w], *rank["windows"][w],
-                                  rank["queued"][w]])
+                out.writerow([epoch, w, r, host_of(hosts, r), rank["window_steps"][w], *rank["windows"][w],
+                              rank["queued"][w]])
+    write_atomic(run_dir / RANK_TIMES, times.getvalue())  # a local file or an object, whole
+    write_atomic(run_dir / RANK_WINDOWS, windows.getvalue())
 
 
 def host_of(hosts: list[str], rank: int) -> str:

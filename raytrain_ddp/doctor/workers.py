@@ -20,6 +20,6 @@ def write_workers(run_dir: Path, ranks: list[RankProcess]) -> None:
     Ray's is its own, in a directory only this user reads, gone with it."""
     import ray
 
-    write_json(Path(run_dir) / WORKERS, {"ranks": [r.to_json() for r in ranks], "ray_address": ray.get_runtime_context().gcs_address,
+    write_json(run_dir / WORKERS, {"ranks": [r.to_json() for r in ranks], "ray_address": ray.get_runtime_context().gcs_address,
                                          "token_auth": token_auth_enabled(),
                                          "token_path": os.environ.get("RAY_AUTH_TOKEN_PATH")})

@@ -37,6 +37,7 @@ from raytrain_ddp.driver.plan.shipping import SHIP_EXCLUDES
 from raytrain_ddp.driver.session.connect import version_mismatch
 from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.launch.target import LAUNCH_FIELDS, find_target
+from raytrain_ddp.storage.location import is_uri
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """raytrain_ddp/, the source the job ships (found by path: the driver side never imports the package's face)."""
@@ -195,7 +196,7 @@ def for_cluster(cfg: TrainConfig) -> TrainConfig:
     """The config as the job's driver will see it: a fixed run name, the cluster's own paths."""
     for key, example in (("storage_path", "/mnt/shared/runs"), ("data_dir", "/mnt/shared/data")):
         path = getattr(cfg, key)
-        if path is not None and not path.startswith(("/", "~")):
+        if path is not None and not path.startswith(("/", "~")) and not is_uri(path):  # s3://: every node's
             flag = "--" + key.replace("_", "-")
             raise ConfigError(
                 f"{flag} {path} is relative, but a submitted run starts in a temporary directory on "

@@ -30,6 +30,7 @@ from raytrain_ddp.launch.printer import Printer, say, tell_end
 from raytrain_ddp.launch.records import LaunchOutcome, describe_exit, exit_status
 from raytrain_ddp.launch.target import LAUNCH_FIELDS, Target
 from raytrain_ddp.stops import Stalled
+from raytrain_ddp.storage.location import local_only
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
@@ -58,6 +59,7 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     the command began, for the start-up stages (default: now)."""
     if stop_grace_s < 0:
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
+    local_only(cfg.storage_path, "launch")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
     if dry_run:
         checked = preflight.unplaced(preflight.check_request(cfg, trains=False))

@@ -29,6 +29,7 @@ from raytrain_ddp.driver.plan.shipping import ship_code, user_code
 from raytrain_ddp.driver.session import connect as session
 from raytrain_ddp.run_files import read_csv, write_json
 from raytrain_ddp.stops import Interrupted, Stopped
+from raytrain_ddp.storage.location import local_only
 from raytrain_ddp.sweep.report import fmt, say
 
 METRICS = {"val_acc": "max", "train_acc": "max", "val_loss": "min", "train_loss": "min"}
@@ -100,6 +101,7 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     checkpointed, for a rerun to resume."""
     from raytrain_ddp.sweep.space import describe, load_space
 
+    local_only(base.storage_path, "sweep")
     if base.name is None:
         raise ConfigError("raytrain sweep needs --name: the sweep's directory, and what a rerun of it resumes")
     if base.elastic:

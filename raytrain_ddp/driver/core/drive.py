@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp import ray_compat
@@ -172,7 +171,7 @@ def write_summary(plan: RunPlan, started: float, clock: StartupClock, config: di
         "startup": clock.summary(),
         "config": config,
     }
-    write_json(Path(plan.run_dir) / "summary.json", summary)
+    write_json(plan.run_dir / "summary.json", summary)
     return summary
 
 

@@ -30,6 +30,7 @@ from raytrain_ddp.driver.plan.ray_train import RayTrainConfigs, restarts, traine
 from raytrain_ddp.driver.session import cluster
 from raytrain_ddp.driver.session.connect import connect, ray_address
 from raytrain_ddp.ray_compat.snapshot import snapshot_ray_version
+from raytrain_ddp.storage.location import RunPath, check_store, first_line, is_uri, storage_root
 
 
 def stderr_line(line: str) -> None:
@@ -44,8 +45,8 @@ class RunPlan:
 
     cfg: TrainConfig
     """The resolved config: name, absolute --storage-path, --cpus-per-worker and --placement filled in."""
-    run_dir: Path
-    """<storage-path>/<name>: every file of the run."""
+    run_dir: RunPath
+    """<storage-path>/<name>: every file of the run; a local path or an object store's."""
     given: dict[str, Callable[..., Any]] = field(default_factory=dict)
     """The Python API's model and dataset callables, sent to the ranks by value (none from the CLI)."""
     resume_lines: tuple[str, ...] = ()
@@ -119,7 +120,7 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
         say(without)  # a launched script has no drain notices of ours
     stop_check()
     cfg, nodes = lay_out(checked.cfg, stop_check, say)
-    ray_train = trainer_configs(cfg, checked.restarts)
+    ray_train = trainer_configs(cfg, checked.restarts, checked.run_dir.parent)
     state_mib = model_state(cfg, checked.model_shapes, nodes, local=checked.address is None) if trains else None
     if trains and not checked.cfg.resume:
         start_fresh(checked.run_dir)
@@ -142,6 +143,7 @@ def check_request(
     where = {"address": ray_address(cfg), "restarts": restarts(cfg)}  # what the cluster's part and Ray Train read
     if not trains:
         return RunPlan(cfg, run_dir, **where)
+    check_kept_there(cfg, run_dir)
     cfg, given = user_parts(cfg, model, dataset)
     check_installed(cfg)
     shapes, lines, choice = check_parts(cfg, run_dir, given, dry)
@@ -152,11 +154,31 @@ def check_request(
     return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice, **where)
 
 
+def check_kept_there(cfg: TrainConfig, run_dir: RunPath) -> None:
+    """What a run on an object store cannot keep there yet, refused in one line before anything
+    starts: each of these writes a local directory of its own into the run directory."""
+    if isinstance(run_dir, Path):
+        return
+    store = f"a --storage-path on an object store ({run_dir.parent})"
+    if cfg.tensorboard:
+        raise ConfigError(f"--tensorboard writes its event files into the run directory, which {store} cannot "
+                          "hold yet; pass a local or shared --storage-path, or drop --tensorboard")
+    if cfg.profile:
+        raise ConfigError(f"--profile writes each rank's traces into the run directory, which {store} cannot hold "
+                          "yet; profile with a local or shared --storage-path")
+    if cfg.mlflow and not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise ConfigError(f"--mlflow keeps its sqlite store in the run directory, which {store} cannot hold; set "
+                          "MLFLOW_TRACKING_URI to your tracking server")
+    if cfg.wandb and not os.environ.get("WANDB_DIR"):
+        raise ConfigError(f"--wandb keeps its files in the run directory, which {store} cannot hold; set WANDB_DIR "
+                          "to a local directory for them")
+
+
 def unplaced(checked: RunPlan) -> RunPlan:
     """The plan as a dry run shows it, before any cluster: laid out over no nodes (by choose_layout,
     as a start lays it out over the cluster's), with the Ray Train configs of that layout."""
     cfg = dataclasses.replace(checked.cfg, **fit.choose_layout(checked.cfg, [])._asdict())
-    return dataclasses.replace(checked, cfg=cfg, ray_train=trainer_configs(cfg, checked.restarts))
+    return dataclasses.replace(checked, cfg=cfg, ray_train=trainer_configs(cfg, checked.restarts, checked.run_dir.parent))
 
 
 def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig, dict[str, Callable[..., Any]]]:
@@ -168,7 +190,7 @@ def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig,
 
 
 def check_parts(
-    cfg: TrainConfig, run_dir: Path, given: dict[str, Callable[..., Any]], dry: bool,
+    cfg: TrainConfig, run_dir: RunPath, given: dict[str, Callable[..., Any]], dry: bool,
 ) -> tuple[ModelShapes, list[str], ResumeChoice | None]:
     """--model's shapes with the channels of the checkpoint it resumes from, else of --dataset (the
     user's own --model is built, which proves that it imports and returns an nn.Module); --dataset
@@ -201,18 +223,21 @@ def take_checkpoint(checked: RunPlan) -> None:
         print(line, file=sys.stderr)
 
 
-def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, Path]:
-    """Fill in the run name, and make the storage path and --data-dir absolute; return the run
-    directory, <storage-path>/<name>."""
+def resolve_run(cfg: TrainConfig) -> tuple[TrainConfig, RunPath]:
+    """Fill in the run name, and make a local storage path and --data-dir absolute; return the run
+    directory, <storage-path>/<name>. An object store's is checked to answer (location.check_store)."""
     name = cfg.name or time.strftime("run-%Y%m%d-%H%M%S")
     # The ranks do not start in the driver's directory (Ray Train gives each its own), wherever they run.
-    storage = Path(cfg.storage_path).expanduser().absolute()
-    data_dir = str(Path(cfg.data_dir).expanduser().absolute()) if cfg.data_dir else cfg.data_dir
-    cfg = dataclasses.replace(cfg, name=name, storage_path=str(storage), data_dir=data_dir)
+    storage = storage_root(cfg.storage_path)
+    check_store(storage, cfg.storage_path)
+    data_dir = str(Path(cfg.data_dir).expanduser().absolute()) if cfg.data_dir and not is_uri(cfg.data_dir) else cfg.data_dir
+    # A URI stays as typed: its query (?endpoint_override=) is part of it.
+    storage_path = cfg.storage_path if is_uri(cfg.storage_path) else str(storage)
+    cfg = dataclasses.replace(cfg, name=name, storage_path=storage_path, data_dir=data_dir)
     return cfg, storage / name
 
 
-def start_fresh(run_dir: Path) -> None:
+def start_fresh(run_dir: RunPath) -> None:
     """--no-resume: move an old run aside rather than delete it, so nothing is lost. Its lock is
     ours (plan took it), so no live driver's run is moved; the lock goes with it, so take the new one."""
     if run_dir.exists() and any(path.name != run_lock.LOCK for path in run_dir.iterdir()):
@@ -222,7 +247,7 @@ def start_fresh(run_dir: Path) -> None:
         print(f"--no-resume: moved the previous run to {aside}")
 
 
-def check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: RunPath) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-probe"
@@ -230,7 +255,7 @@ def check_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise ConfigError(
-            f"cannot write run directory {run_dir} ({err.strerror}); pass a writable --storage-path"
+            f"cannot write run directory {run_dir} ({err.strerror or first_line(err)}); pass a writable --storage-path"
         ) from None
 
 

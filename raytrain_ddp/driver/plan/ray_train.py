@@ -9,6 +9,7 @@ from typing import Any
 
 from raytrain_ddp.config import TrainConfig
 from raytrain_ddp.ray_compat import has
+from raytrain_ddp.storage.location import RunPath, ray_storage, storage_root
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,10 @@ class RayTrainConfigs:
     module's torch import on the driver."""
 
 
-def trainer_configs(cfg: TrainConfig, restarts: int) -> RayTrainConfigs:
+def trainer_configs(cfg: TrainConfig, restarts: int, storage: RunPath | None = None) -> RayTrainConfigs:
     """Ray Train's configs for a config laid out on its cluster (--cpus-per-worker and --placement
-    set) and the worker-group failures it restarts from."""
+    set), the worker-group failures it restarts from, and where its runs are kept (`storage`:
+    --storage-path's, location.storage_root)."""
     from ray.train import (
         CheckpointConfig,
         FailureConfig,
@@ -48,7 +50,7 @@ def trainer_configs(cfg: TrainConfig, restarts: int) -> RayTrainConfigs:
     )
     run = RunConfig(
         name=cfg.name,
-        storage_path=cfg.storage_path,
+        **ray_storage(storage if storage is not None else storage_root(cfg.storage_path)),
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
         failure_config=FailureConfig(max_failures=restarts),
         worker_runtime_env=worker_env(),

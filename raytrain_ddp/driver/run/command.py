@@ -30,6 +30,7 @@ from raytrain_ddp.driver.run.news import RESUME_HINT, RunNews, kept
 from raytrain_ddp.driver.run.progress import Display
 from raytrain_ddp.driver.session.connect import start_private_ray
 from raytrain_ddp.stops import Interrupted, RayLost, Stalled, Stopped
+from raytrain_ddp.storage.object_path import ObjectPath
 
 POLL_S = 0.5
 """How often the driver asks rank 0's sink for news and passes on a signal it got."""
@@ -168,11 +169,16 @@ def ray_data(cfg: TrainConfig) -> dict[str, Any]:
     return {"datasets": ray_datasets(cfg), "dataset_config": ray_data_config(cfg)}
 
 
-def resume_from(plan: RunPlan) -> str | None:
+def resume_from(plan: RunPlan) -> Any:
     """The checkpoint the ranks load while Ray has registered none in this run: the preflight's
     choice, the newest whole one (Ray's own latest wins once there is one). Ray Train V2 refuses
-    TorchTrainer(resume_from_checkpoint=...), so the path goes in the loop's config."""
+    TorchTrainer(resume_from_checkpoint=...), so it goes in the loop's config: a local path, or on
+    an object store a ray.train.Checkpoint with the store's filesystem (its endpoint, its credentials)."""
     checkpoint = plan.resume.checkpoint if plan.resume is not None else None
+    if isinstance(checkpoint, ObjectPath):
+        import ray.train
+
+        return ray.train.Checkpoint(checkpoint.key, filesystem=checkpoint.fs)
     return str(checkpoint) if checkpoint is not None else None
 
 

@@ -18,6 +18,7 @@ from raytrain_ddp.driver.plan import run_lock
 from raytrain_ddp.driver.plan.preflight import resolve_run
 from raytrain_ddp.driver.run import command as driver
 from raytrain_ddp.run_files import read_csv, write_atomic
+from raytrain_ddp.storage.location import local_only
 
 COLUMNS = [
     "strategy",
@@ -143,6 +144,7 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
     if sharding and "fsdp" not in strategies:
         raise ConfigError(f"--sharding {sharding} is for the fsdp runs; add fsdp to --strategy (e.g. ddp,fsdp)")
     dataclasses.replace(cfg, strategy="fsdp", sharding=sharding or cfg.sharding)  # a bad --sharding fails now, not after some runs
+    local_only(cfg.storage_path, "scale")
     cfg, study_dir = resolve_run(cfg)
     run_lock.take(study_dir)  # two studies on one --name would write one table over the other's
     runs = {}

@@ -1,0 +1,151 @@
+"""`--storage-path` as a path: a local directory, or an object store's URI (`s3://bucket/prefix`,
+`gs://...`) as an ObjectPath over one pyarrow filesystem; what Ray Train is given for it; and the one
+check, at the edge, that the store answers, in one line when it does not.
+
+S3's endpoint comes from the URI (`s3://bucket/prefix?endpoint_override=http://host:9000`) or the
+environment (AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL), its credentials from the usual AWS
+variables and files. Credentials found in the driver's environment are given to the filesystem
+itself, so the ranks, which Ray starts with the raylet's environment and not the driver's, write
+with the same ones. With an endpoint of its own, no EC2 metadata is asked for: away from a cloud VM
+that probing cost 2 to 12 s (apache/arrow#46723).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Union
+from urllib.parse import parse_qsl, urlsplit
+
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.storage.object_path import ObjectPath
+
+RunPath = Union[Path, ObjectPath]
+"""Where a run's files are: a local path, or a path in an object store; both with pathlib's API."""
+
+URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+ANSWER_S = 5.0
+"""The edge check's bound: a store that has not answered in this many seconds is named in one line."""
+CONNECT_S, REQUEST_S = 10.0, 60.0
+"""The working filesystem's timeouts: to connect, and for a request that moves no byte."""
+
+
+def is_uri(storage_path: str) -> bool:
+    return bool(URI.match(storage_path)) and not storage_path.startswith("file://")
+
+
+def storage_root(storage_path: str) -> RunPath:
+    """--storage-path as a path: local ones made absolute (the ranks do not start in the driver's
+    directory), URIs on their store's filesystem."""
+    if storage_path.startswith("file://"):
+        storage_path = storage_path[len("file://"):]
+    if not is_uri(storage_path):
+        return Path(storage_path).expanduser().absolute()
+    parts = urlsplit(storage_path)
+    key = (parts.netloc + parts.path).strip("/")
+    if not parts.netloc:
+        raise ConfigError(f"--storage-path {storage_path} names no bucket; pass {parts.scheme}://BUCKET/PREFIX")
+    if parts.scheme == "s3":
+        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query))), "s3", key)
+    from pyarrow import fs
+
+    try:
+        filesystem, path = fs.FileSystem.from_uri(storage_path)
+    except (ValueError, OSError, ImportError) as err:
+        raise ConfigError(f"--storage-path {storage_path}: {first_line(err)}; pass a local path, or an s3:// "
+                          "or gs:// URI") from None
+    return ObjectPath(filesystem, parts.scheme, path)
+
+
+def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = None) -> Any:
+    """An S3 filesystem for `bucket`, by the URI's query and the environment (the module's doc).
+    `answer_s`: a probe's, bounded by one try of that many seconds."""
+    try:
+        from pyarrow import fs
+        from pyarrow.fs import S3FileSystem
+    except ImportError:
+        raise ConfigError("this pyarrow was built without S3: pip install a pyarrow wheel from PyPI "
+                          "(its wheels have S3), or pass a local --storage-path") from None
+    endpoint = query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    options: dict[str, Any] = {}
+    if endpoint:
+        options["endpoint_override"] = endpoint
+        options["scheme"] = query.get("scheme") or (urlsplit(endpoint).scheme if "://" in endpoint else "https")
+        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    region = query.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region is None and endpoint:
+        region = "us-east-1"  # a server of its own: any region will do, and asking costs a request
+    if region is None:
+        try:
+            region = fs.resolve_s3_region(bucket)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--storage-path s3://{bucket}: cannot find the bucket's region ({first_line(err)}); "
+                              "set AWS_REGION, or check the bucket's name") from None
+    options["region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        options.update(access_key=os.environ["AWS_ACCESS_KEY_ID"], secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+                       session_token=os.environ.get("AWS_SESSION_TOKEN"))
+    if answer_s is None:
+        timeouts = {"connect_timeout": CONNECT_S, "request_timeout": REQUEST_S}
+    else:
+        timeouts = {"connect_timeout": answer_s, "request_timeout": answer_s,
+                    "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=1)}
+    return S3FileSystem(**options, **timeouts)
+
+
+def check_store(root: RunPath, storage_path: str) -> None:
+    """That the store at `root` answers and its bucket is there, within about ANSWER_S: one line
+    (ConfigError) naming the fault and its fix where not. Local paths: nothing to do here
+    (preflight's check_writable writes a probe)."""
+    if isinstance(root, Path):
+        return
+    bucket = root.key.split("/", 1)[0]
+    probe = root.fs
+    if root.scheme == "s3":
+        parts = urlsplit(storage_path)
+        probe = s3_filesystem(bucket, dict(parse_qsl(parts.query)), answer_s=ANSWER_S)
+    from pyarrow.fs import FileType
+
+    started = time.monotonic()
+    try:
+        found = probe.get_file_info(bucket).type
+    except OSError as err:
+        said = first_line(err)
+        where = f"--storage-path {root}"
+        if "Timeout" in said or "timed out" in said.lower():
+            raise ConfigError(f"{where}: its store did not answer in {ANSWER_S:.0f} s ({said}); check the endpoint "
+                              "(AWS_ENDPOINT_URL_S3, or ?endpoint_override= in the URI)") from None
+        if "ACCESS_DENIED" in said or "AccessDenied" in said or "403" in said or "InvalidAccessKeyId" in said:
+            raise ConfigError(f"{where}: access denied ({said}); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                              "or the credentials in ~/.aws") from None
+        raise ConfigError(f"{where}: cannot reach its store after {time.monotonic() - started:.1f} s ({said}); check "
+                          "the endpoint (AWS_ENDPOINT_URL_S3, or ?endpoint_override= in the URI)") from None
+    if found == FileType.NotFound:
+        raise ConfigError(f"--storage-path {root}: there is no bucket {bucket!r} at its store; create it, or pass "
+                          "another --storage-path")
+
+
+def ray_storage(root: RunPath) -> dict[str, Any]:
+    """RunConfig's storage for runs under `root`: a local path, or the store's path and filesystem
+    (Ray Train takes `bucket/prefix` with its filesystem; the URI with one is refused)."""
+    if isinstance(root, Path):
+        return {"storage_path": str(root)}
+    return {"storage_path": root.key, "storage_filesystem": root.fs}
+
+
+def local_only(storage_path: str, command: str) -> None:
+    """One line for a command that keeps its runs on a filesystem only, given an object store's URI."""
+    if is_uri(storage_path):
+        raise ConfigError(
+            f"`raytrain {command}` keeps its runs on a local or shared filesystem: --storage-path {storage_path} is an "
+            "object store's, which `raytrain run`, `submit` and `export` take so far; pass a local or shared path"
+        )
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line, without pyarrow's own prefix, cut to a line's length."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text[:240]

@@ -1,0 +1,192 @@
+"""Runs on an object store (storage/): `--storage-path s3://...` against a real S3 server (moto's
+server mode), with the same readers and writers as a local run directory; its faults in one line
+each; and the lease that keeps a second driver off a run there."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, free_port, raytrain
+
+from raytrain_ddp.checkpoint.files import RESUME_INFO, STATE, rank_file, resume_choice
+from raytrain_ddp.config import ConfigError
+from raytrain_ddp.driver.plan import run_lock
+from raytrain_ddp.storage.location import ANSWER_S, check_store, storage_root
+from raytrain_ddp.storage.object_path import ObjectPath
+
+
+@pytest.fixture
+def store_env(s3_server, monkeypatch):
+    """This process pointed at the test's S3 server, as a user's shell would be."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
+def fresh_prefix(name: str) -> str:
+    return f"s3://runs/{name}-{time.time_ns()}"
+
+
+def torch_file(value: int) -> bytes:
+    out = io.BytesIO()
+    torch.save({"model": torch.arange(1000) + value}, out)
+    return out.getvalue()
+
+
+def test_an_object_path_reads_and_writes_as_a_path_does(store_env):
+    root = storage_root(fresh_prefix("paths"))
+    assert isinstance(root, ObjectPath) and str(root).startswith("s3://runs/paths-")
+    run = root / "r1"
+    assert not run.exists() and not run.is_dir() and list(run.iterdir()) == []
+    run.mkdir(parents=True, exist_ok=True)  # a prefix: nothing to make
+    (run / "summary.json").write_text('{"a": 1}')
+    (run / "checkpoint_000001" / STATE).write_bytes(b"x" * 10)
+    assert run.is_dir() and (run / "summary.json").is_file() and json.loads((run / "summary.json").read_text()) == {"a": 1}
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint_000001", "summary.json"]
+    assert [p.name for p in run.glob("checkpoint_*")] == ["checkpoint_000001"]
+    assert (run / "checkpoint_000001" / STATE).stat().st_size == 10
+    with pytest.raises(FileNotFoundError):
+        (run / "missing.json").read_text()
+    aside = run.rename(run.with_name("r1.old"))  # every object under it, copied by the store, then deleted
+    assert not run.exists() and (aside / "checkpoint_000001" / STATE).read_bytes() == b"x" * 10
+
+
+def test_the_resume_takes_the_newest_whole_checkpoint_from_the_store(store_env):
+    """A checkpoint's files are checked by their zip central directory, through ranged reads: a
+    truncated newest one is skipped, by name and why, as on disk."""
+    run = storage_root(fresh_prefix("resume")) / "r"
+    for name, cut in (("checkpoint_2026-11-29_01-00-00.000001", False), ("checkpoint_2026-11-29_02-00-00.000001", True)):
+        (run / name / RESUME_INFO).write_text(json.dumps({"world_size": 1, "epoch": 1, "position": 0}))
+        state = torch_file(1)
+        (run / name / STATE).write_bytes(state[: len(state) // 2] if cut else state)
+        (run / name / rank_file(0)).write_bytes(torch_file(2))
+    choice = resume_choice(run)
+    assert choice.checkpoint == run / "checkpoint_2026-11-29_01-00-00.000001"
+    [(skipped, why)] = choice.skipped
+    assert skipped == "checkpoint_2026-11-29_02-00-00.000001" and STATE in why, why
+
+
+def test_the_endpoint_comes_from_the_uri_or_the_environment(s3_server, monkeypatch):
+    for key, value in s3_server.env.items():
+        if key != "AWS_ENDPOINT_URL_S3":
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    in_uri = storage_root(f"s3://runs/uri?endpoint_override={s3_server.endpoint}")
+    check_store(in_uri, f"s3://runs/uri?endpoint_override={s3_server.endpoint}")
+    (in_uri / "x").write_text("1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    from_env = storage_root("s3://runs/uri")
+    assert from_env.key == in_uri.key and (from_env / "x").read_text() == "1"
+    assert storage_root("file:///tmp/x") == Path("/tmp/x") and storage_root("runs") == Path("runs").absolute()
+
+
+def test_a_store_that_cannot_serve_the_run_is_named_in_one_line_within_seconds(store_env, monkeypatch):
+    with pytest.raises(ConfigError, match=r"there is no bucket 'nobucket' at its store; create it"):
+        check_store(storage_root("s3://nobucket/runs"), "s3://nobucket/runs")
+    closed = free_port("127.0.0.1")  # nothing listens
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{closed}")
+    with pytest.raises(ConfigError, match=r"cannot reach its store .*check the endpoint"):
+        check_store(storage_root("s3://runs/x"), "s3://runs/x")
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"its store did not answer in {ANSWER_S:.0f} s"):
+            check_store(storage_root("s3://runs/x"), "s3://runs/x")
+        assert time.monotonic() - started < ANSWER_S + 5
+
+
+HOLD = """
+import sys, time
+from raytrain_ddp.driver.plan import run_lock
+from raytrain_ddp.storage.location import storage_root
+run_lock.take(storage_root(sys.argv[1]) / "r")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_driver_is_refused_while_the_lease_is_held_and_takes_it_once_its_holder_died(store_env, monkeypatch):
+    monkeypatch.setattr(run_lock, "CONFIRM_S", 0.2)
+    root = fresh_prefix("lease")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, root], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        run_dir = storage_root(root) / "r"
+        with pytest.raises(ConfigError, match=rf"in use by another driver: pid {holder.pid} on .*its lease lapses 60 s"):
+            run_lock.take(run_dir)
+        holder.send_signal(signal.SIGKILL)  # no release: its lease stays, renewed no more
+        holder.wait()
+        assert json.loads((run_dir / run_lock.LOCK).read_text())["pid"] == holder.pid
+        run_lock.take(run_dir)  # its process is gone from this host: taken over at once
+        assert json.loads((run_dir / run_lock.LOCK).read_text())["pid"] == os.getpid()
+        run_lock.release(run_dir)
+        assert not (run_dir / run_lock.LOCK).exists()
+    finally:
+        holder.kill()
+
+
+def refusal(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused command printed, after checking it is one, with exit status 2."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tmp_path):
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server.env}
+    run = ["run", "--workers", "1", *TINY]
+    assert "there is no bucket 'nobucket'" in refusal(raytrain(*run, "--storage-path", "s3://nobucket/x", env=env, cwd=tmp_path))
+    assert "--tensorboard writes its event files" in refusal(
+        raytrain(*run, "--storage-path", "s3://runs/x", "--tensorboard", env=env, cwd=tmp_path))
+    said = refusal(raytrain("sweep", "--space", "space.yaml", "--name", "s", *run[1:], "--storage-path", "s3://runs/x",
+                            env=env, cwd=tmp_path))
+    assert "`raytrain sweep` keeps its runs on a local or shared filesystem" in said
+    assert list(tmp_path.iterdir()) == []  # no `s3:` folder, as a URI taken for a local path made
+
+
+AUTH_SERVER = """
+import json, sys, time
+import boto3
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+kw = dict(endpoint_url=f"http://127.0.0.1:{sys.argv[1]}", region_name="us-east-1", aws_access_key_id="x",
+          aws_secret_access_key="x")
+boto3.client("iam", **kw).create_user(UserName="u")  # the 4 requests before moto asks for credentials
+key = boto3.client("iam", **kw).create_access_key(UserName="u")["AccessKey"]
+boto3.client("iam", **kw).put_user_policy(UserName="u", PolicyName="all", PolicyDocument=json.dumps(
+    {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+boto3.client("s3", **kw).create_bucket(Bucket="runs")
+print(key["AccessKeyId"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_wrong_credentials_are_named_in_one_line(tmp_path):
+    """A server that checks them (moto's, told to): the key is not one it knows."""
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen([sys.executable, "-c", AUTH_SERVER, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"})
+    try:
+        assert server.stdout.readline().strip()
+        env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "AWS_ACCESS_KEY_ID": "WRONG",
+               "AWS_SECRET_ACCESS_KEY": "WRONG", "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_REGION": "us-east-1"}
+        said = refusal(raytrain("run", "--workers", "1", *TINY, "--storage-path", "s3://runs/x", env=env, cwd=tmp_path))
+        assert "access denied" in said and "AWS_ACCESS_KEY_ID" in said, said
+    finally:
+        server.kill()
