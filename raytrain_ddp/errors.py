@@ -29,6 +29,9 @@ def one_line(err: BaseException) -> str:
     if bad_label := re.search(r"IndexError: (Target -?\d+ is out of bounds)", text):  # cross_entropy's, on CPU
         return (f"a sample's label is not below --num-classes (torch: {bad_label[1]}); pass --num-classes "
                 "above the largest label, or fix the labels")
+    if store := re.search(r"(When [^\n]*?AWS Error [A-Z_]+ during \w+ operation[^\n]*)", text):  # pyarrow's S3 errors
+        return (f"the object store failed the run's files: {store[1][:300]}; the checkpoints registered there "
+                "are kept: run the same command again to resume once it answers")
     if "CUDA out of memory" in text:
         return "a worker ran out of GPU memory: lower --batch-size, or keep --amp on"
     if any(marker in text for marker in OOM_MARKERS):

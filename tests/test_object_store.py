@@ -190,3 +190,54 @@ def test_wrong_credentials_are_named_in_one_line(tmp_path):
         assert "access denied" in said and "AWS_ACCESS_KEY_ID" in said, said
     finally:
         server.kill()
+
+
+SERVER = """
+import sys, time
+import boto3
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+boto3.client("s3", endpoint_url=f"http://127.0.0.1:{sys.argv[1]}", region_name="us-east-1", aws_access_key_id="t",
+             aws_secret_access_key="t").create_bucket(Bucket="runs")
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+def test_a_store_that_goes_away_mid_run_ends_it_in_one_line_within_seconds(ray_head, tmp_path):
+    """The driver's files wait for the store (one warning line; the ranks train on); the checkpoint
+    Ray cannot upload or register ends the run, in one line that says the store failed and how to resume."""
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    run = None
+    try:
+        assert server.stdout.readline().strip() == "up"
+        env = {**ray_head.env, "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t",
+               "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_REGION": "us-east-1"}
+        run = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", "run", "--workers", "2", "--epochs", "3",
+                                "--train-samples", "4096", "--val-samples", "64", "--batch-size", "32", "--data-workers",
+                                "0", "--checkpoint-every-steps", "8", "--progress", "plain", "--storage-path",
+                                "s3://runs/gone", "--name", "g"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path)
+        deadline = time.monotonic() + 240
+        for line in run.stdout:
+            if line.startswith("start-up "):
+                break
+            assert time.monotonic() < deadline
+        server.kill()
+        gone = time.monotonic()
+        out, err = run.communicate(timeout=120)
+        ended_after = time.monotonic() - gone
+    finally:
+        server.kill()
+        if run is not None and run.poll() is None:
+            run.kill()
+    assert run.returncode == 1, err[-2000:]
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("error: ") and "the object store failed the run's files: When " in said, said  # a rank's, or the driver's
+    assert "run the same command again to resume once it answers" in said, said
+    assert run_lock.LOCK not in said, said  # the run's own failure, not the lease's release after it
+    assert ended_after < 60, ended_after
+    assert list(tmp_path.iterdir()) == []

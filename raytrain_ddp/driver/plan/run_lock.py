@@ -165,10 +165,15 @@ class Lease:
         self.path.write_text(json.dumps(asdict(self.me)))
 
     def end(self) -> None:
+        """Stop renewing, and give the lease up; where the store does not answer, it lapses by itself
+        (LEASE_S), and the command's own error, not this one, is what the user reads."""
         self.done.set()
         self.thread.join()
-        if read_holder(self.path) == self.me:
-            self.path.unlink(missing_ok=True)
+        try:
+            if read_holder(self.path) == self.me:
+                self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def read_holder(path: ObjectPath) -> Holder | None:

@@ -22,6 +22,8 @@ from raytrain_ddp.driver.run.progress import Display
 from raytrain_ddp.run_files import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.run_records import RunState
 from raytrain_ddp.stops import Interrupted, RankConfigError, Stopped, UnhealthyNode
+from raytrain_ddp.storage.location import first_line
+from raytrain_ddp.storage.object_path import ObjectPath
 
 RESUME_HINT = "run the same command again (same --storage-path and --name {name}) to resume"
 
@@ -32,7 +34,7 @@ def kept(run_dir: Path, name: str) -> str:
     try:
         checkpoint = latest_checkpoint(run_dir)
         saved = read_info(checkpoint) if checkpoint is not None else None
-    except ConfigError:  # an unreadable record: the rerun says so, not this stop
+    except (ConfigError, OSError):  # an unreadable record or store: the rerun says so, not this stop
         return f"The last checkpoint is kept: {rerun} to resume from it"
     if checkpoint is None:
         return f"No checkpoint was saved yet: {rerun} to start again"
@@ -76,6 +78,10 @@ class RunNews:
         self.tensorboard = tensorboard_writer(plan.run_dir) if plan.cfg.tensorboard else None
         self.state = RunState()
         """What rank 0 said by the last poll."""
+        self.written = RunState()
+        """What the run's files hold: the state last written down whole (write_down)."""
+        self.unwritten: str | None = None
+        """Why the run's files could not be written to their object store, once said; None while they can."""
         self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print, plan.restarts)
         self.stalled: BaseException | None = None
         self.blamed = 0
@@ -107,7 +113,7 @@ class RunNews:
         if state.config_error:  # a rank's, which every retry would raise again
             raise RankConfigError(state.config_error)
         was, self.state = self.state, state
-        self.write_down(state, was)
+        self.write_down(state)
         for line in self.lines(state, was):
             self.display.print(line)
         self.display.update(state)
@@ -117,9 +123,27 @@ class RunNews:
             self.stalled = err
             raise
 
-    def write_down(self, state: RunState, was: RunState) -> None:
-        """The run's files, where they changed: its rows (metrics.csv and .parquet, TensorBoard, the
-        trackers, a sweep's trial), workers.json and rank_times.csv."""
+    def write_down(self, state: RunState) -> None:
+        """The run's files, where they changed since last written: its rows (metrics.csv and .parquet,
+        TensorBoard, the trackers, a sweep's trial), workers.json and rank_times.csv. An object store
+        that does not answer is said once, and the files are written again at the next poll: the
+        ranks train on, and their checkpoints' uploads are Ray's to retry."""
+        try:
+            self.write_changes(state, self.written)
+        except OSError as err:
+            if not isinstance(self.run_dir, ObjectPath):
+                raise
+            if self.unwritten is None:
+                self.unwritten = first_line(err)
+                self.display.print(f"warning: cannot write the run's files to {self.run_dir} ({self.unwritten}); "
+                                   "training goes on, and they are written again at the next poll")
+            return
+        if self.unwritten is not None:
+            self.display.print(f"the run's files are written to {self.run_dir} again")
+            self.unwritten = None
+        self.written = state
+
+    def write_changes(self, state: RunState, was: RunState) -> None:
         if state.rows != was.rows:
             self.new_rows(list(state.rows), list(was.rows))
         if state.ranks and state.ranks != was.ranks:
