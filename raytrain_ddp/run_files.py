@@ -4,10 +4,13 @@ directory is a local Path or an object store's ObjectPath (storage/): one PUT th
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -65,19 +68,41 @@ def write_parquet(path: Path | ObjectPath, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def tensorboard_writer(run_dir: Path) -> Any:
+def tensorboard_writer(run_dir: Path | ObjectPath) -> Any:
+    """A SummaryWriter of the run's tensorboard/ directory (StagedEvents' on an object store)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         from raytrain_ddp.config import ConfigError
 
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    if isinstance(run_dir, ObjectPath):
+        return StagedEvents(SummaryWriter, run_dir / "tensorboard")
     return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
 
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+class StagedEvents:
+    """TensorBoard's event files for a run on an object store. A SummaryWriter appends to a local
+    file, which an object cannot be; so it writes into a temporary directory, and each flush copies
+    its files up whole (a few KiB an epoch). A resumed run's writer starts a file of its own, beside
+    the earlier ones, as on disk. The directory goes when the driver exits."""
+
+    def __init__(self, writer: Any, remote: ObjectPath) -> None:
+        self.local = Path(tempfile.mkdtemp(prefix="raytrain-tensorboard-"))
+        atexit.register(shutil.rmtree, self.local, ignore_errors=True)
+        self.writer, self.remote = writer(log_dir=str(self.local)), remote
+
+    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
+        self.writer.add_scalar(*args, **kwargs)
+
+    def flush(self) -> None:
+        self.writer.flush()
+        for path in self.local.iterdir():
+            (self.remote / path.name).write_bytes(path.read_bytes())
+
+
+def read_csv(path: Path | ObjectPath) -> list[dict[str, str]]:
+    return list(csv.DictReader(io.StringIO(path.read_text(), newline="")))
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:

@@ -128,6 +128,7 @@ def test_a_run_killed_mid_epoch_resumes_bit_for_bit(ray_head, uninterrupted, tmp
     assert [key for key in reference if not torch.equal(ours[key], reference[key])] == []
 
 
+@pytest.mark.smoke  # on every Ray we declare: Ray Train's storage on a pyarrow filesystem, its snapshot there
 def test_a_run_on_an_object_store_killed_mid_epoch_resumes_bit_for_bit(ray_head, s3_server, uninterrupted, tmp_path,
                                                                         monkeypatch):
     """#52: the same, with every file of the run on S3 (moto's server): the checkpoints Ray Train
@@ -136,7 +137,8 @@ def test_a_run_on_an_object_store_killed_mid_epoch_resumes_bit_for_bit(ray_head,
     for key, value in s3_server.env.items():  # this process reads the bucket as the driver does
         monkeypatch.setenv(key, value)
     root = f"s3://runs/exact-{time.time_ns()}"
-    cut = [*exact_run(tmp_path, "cut", workers=2, data_workers=1)[:-4], "--storage-path", root, "--name", "cut"]
+    cut = [*exact_run(tmp_path, "cut", workers=2, data_workers=1)[:-4], "--storage-path", root, "--name", "cut",
+           "--tensorboard"]
     env = {**ray_head.env, **s3_server.env}
     before = sorted(p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__")
     run_dir = storage_root(root) / "cut"
@@ -145,9 +147,18 @@ def test_a_run_on_an_object_store_killed_mid_epoch_resumes_bit_for_bit(ray_head,
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from the checkpoint at epoch 1" in again.stdout and f"-> {root}/cut" in again.stdout
     assert json.loads((run_dir / "summary.json").read_text())["final"]["epoch"] == EPOCHS
+    events = list((run_dir / "tensorboard").iterdir())  # staged locally, copied up at each epoch's row
+    assert events and all(event.stat().st_size > 0 for event in events), events
     ours, reference = final_weights(run_dir), final_weights(uninterrupted)
     assert [key for key in reference if not torch.equal(ours[key], reference[key])] == []
     assert sorted(p.name for p in SCRIPTS.iterdir() if p.name != "__pycache__") == before
+    # What reads a finished run reads it there too.
+    checked = raytrain("verify", f"{root}/cut", env=env, cwd=tmp_path)  # (this tiny run's loss need not fall)
+    assert "PASS  files present" in checked.stdout and "PASS  all epochs completed" in checked.stdout, checked
+    exported = raytrain("export", f"{root}/cut", "--to", str(tmp_path / "model.pt"), env=env, cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    model = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert [key for key in reference if not torch.equal(model[key], reference[key])] == []
 
 
 def test_a_resume_at_another_world_size_trains_each_sample_once_at_the_same_lr(ray_head, uninterrupted, tmp_path):

@@ -151,8 +151,8 @@ def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tm
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server.env}
     run = ["run", "--workers", "1", *TINY]
     assert "there is no bucket 'nobucket'" in refusal(raytrain(*run, "--storage-path", "s3://nobucket/x", env=env, cwd=tmp_path))
-    assert "--tensorboard writes its event files" in refusal(
-        raytrain(*run, "--storage-path", "s3://runs/x", "--tensorboard", env=env, cwd=tmp_path))
+    assert "--profile writes each rank's traces" in refusal(
+        raytrain(*run, "--storage-path", "s3://runs/x", "--profile", "1:1:1", env=env, cwd=tmp_path))
     said = refusal(raytrain("sweep", "--space", "space.yaml", "--name", "s", *run[1:], "--storage-path", "s3://runs/x",
                             env=env, cwd=tmp_path))
     assert "`raytrain sweep` keeps its runs on a local or shared filesystem" in said

@@ -196,29 +196,35 @@ def stack_command(
     show_stacks(storage_path, name)
 
 
-RUN_DIR = typer.Argument(..., metavar="RUN_DIR", help="A run directory: <storage-path>/<name>.")
+RUN_DIR = typer.Argument(..., metavar="RUN_DIR",
+                         help="A run directory: <storage-path>/<name>, on disk or in an object store (s3://...).")
 
 
-def verify_command(run_dir: Path = RUN_DIR) -> None:
+def verify_command(run_dir: str = RUN_DIR) -> None:
     """Check a finished run: files present, all epochs done, world size right, loss finite and fell."""
     from raytrain_ddp.driver.look.verify import verify
 
-    if not verify(existing_run_dir(run_dir)):
+    if not verify(existing_run_dir(found_run_dir(run_dir))):
         raise typer.Exit(1)
 
 
 def export_command(
-    run_dir: str = typer.Argument(..., metavar="RUN_DIR",
-                                  help="A run directory: <storage-path>/<name>, on disk or in an object store (s3://...)."),
+    run_dir: str = RUN_DIR,
     to: Path = typer.Option(..., "--to", help="The file to write, e.g. model.pt."),
 ) -> None:
     """Write the latest checkpoint's model, DDP's or FSDP's, as one plain state dict for inference."""
     from raytrain_ddp.checkpoint.export import export
+
+    print(export(existing_run_dir(found_run_dir(run_dir)), to))
+
+
+def found_run_dir(run_dir: str) -> Any:
+    """RUN_DIR as a path: local, or an object store's, checked to answer (storage/location.py)."""
     from raytrain_ddp.storage.location import check_store, storage_root
 
     where = storage_root(run_dir)
     check_store(where, run_dir)
-    print(export(existing_run_dir(where), to))
+    return where
 
 
 def existing_run_dir(run_dir: Any) -> Any:

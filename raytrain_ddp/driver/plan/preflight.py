@@ -156,13 +156,11 @@ def check_request(
 
 def check_kept_there(cfg: TrainConfig, run_dir: RunPath) -> None:
     """What a run on an object store cannot keep there yet, refused in one line before anything
-    starts: each of these writes a local directory of its own into the run directory."""
+    starts: each of these writes a local directory of its own into the run directory. (TensorBoard's
+    events are staged locally and copied up: run_files.StagedEvents.)"""
     if isinstance(run_dir, Path):
         return
     store = f"a --storage-path on an object store ({run_dir.parent})"
-    if cfg.tensorboard:
-        raise ConfigError(f"--tensorboard writes its event files into the run directory, which {store} cannot "
-                          "hold yet; pass a local or shared --storage-path, or drop --tensorboard")
     if cfg.profile:
         raise ConfigError(f"--profile writes each rank's traces into the run directory, which {store} cannot hold "
                           "yet; profile with a local or shared --storage-path")
