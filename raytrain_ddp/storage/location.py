@@ -146,6 +146,7 @@ def local_only(storage_path: str, command: str) -> None:
 
 
 def first_line(err: BaseException) -> str:
-    """An error's first line, without pyarrow's own prefix, cut to a line's length."""
+    """An error's first line, cut to a line's length: pyarrow's S3 errors say the key, the operation
+    and the cause there."""
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return text[:240]

@@ -6,8 +6,8 @@ What differs from a local path, and why:
 - there are no directories, only keys with a common prefix: `mkdir` makes nothing, `is_dir` is true
   where some key lies below, and `rename` of a directory copies each object, then deletes it (no rename
   exists); the store copies them server-side;
-- `write_text`/`write_bytes` are one PUT each, which a reader sees whole or not at all: as atomic as
-  the local temp-and-rename (run_files.write_atomic);
+- `write_text`/`write_bytes` are one upload each, which a reader sees whole or not at all (the object
+  appears when the upload completes): as atomic as the local temp-and-rename (run_files.write_atomic);
 - `open("rb")` is a seekable file whose reads are ranged GETs, so a zip's central directory is read
   without its tensors (checkpoint/files.py).
 """
