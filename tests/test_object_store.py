@@ -151,8 +151,8 @@ def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tm
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server.env}
     run = ["run", "--workers", "1", *TINY]
     assert "there is no bucket 'nobucket'" in refusal(raytrain(*run, "--storage-path", "s3://nobucket/x", env=env, cwd=tmp_path))
-    assert "--profile writes each rank's traces" in refusal(
-        raytrain(*run, "--storage-path", "s3://runs/x", "--profile", "1:1:1", env=env, cwd=tmp_path))
+    assert "--mlflow keeps its sqlite store in the run directory" in refusal(
+        raytrain(*run, "--storage-path", "s3://runs/x", "--mlflow", env={**env, "MLFLOW_TRACKING_URI": ""}, cwd=tmp_path))
     said = refusal(raytrain("sweep", "--space", "space.yaml", "--name", "s", *run[1:], "--storage-path", "s3://runs/x",
                             env=env, cwd=tmp_path))
     assert "`raytrain sweep` keeps its runs on a local or shared filesystem" in said
@@ -241,3 +241,39 @@ def test_a_store_that_goes_away_mid_run_ends_it_in_one_line_within_seconds(ray_h
     assert run_lock.LOCK not in said, said  # the run's own failure, not the lease's release after it
     assert ended_after < 60, ended_after
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stack_finds_the_run_that_started_ranks_last_in_the_store(store_env):
+    from raytrain_ddp.doctor.workers import WORKERS
+    from raytrain_ddp.driver.look.stack import find_run
+
+    root = storage_root(fresh_prefix("stack"))
+    (root / "older" / WORKERS).write_text("{}")
+    time.sleep(1.1)  # an object's time is the store's, to the second
+    (root / "newer" / WORKERS).write_text("{}")
+    (root / "no-ranks" / "summary.json").write_text("{}")
+    assert find_run(root, None) == root / "newer" and find_run(root, "older") == root / "older"
+    with pytest.raises(ConfigError, match="no running record of run gone"):
+        find_run(root, "gone")
+
+
+def test_a_ranks_profile_trace_goes_to_the_store(store_env, tmp_path):
+    """--profile on an object store: the trace is written locally, copied up whole, and the local
+    copy removed; the rank's line names where it went."""
+    from raytrain_ddp.config import TrainConfig
+    from raytrain_ddp.worker.measure.profiling import Profiler
+
+    root = fresh_prefix("profile")
+    run_dir = storage_root(root) / "p"
+    lines: list[str] = []
+    profiler = Profiler(TrainConfig(profile="0:1:1", storage_path=root, name="p"), 0, torch.device("cpu"), 4,
+                        lines.append, run_dir=run_dir)
+    local = profiler.dir
+    for _ in range(2):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        profiler.step(0.0)
+    profiler.finish()
+    [trace] = (run_dir / "profile").glob("rank0.*.pt.trace.json")
+    assert trace.stat().st_size > 0 and not local.exists()
+    [line] = lines
+    assert line.endswith(f"per step -> {run_dir / 'profile'}"), line

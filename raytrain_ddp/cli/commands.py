@@ -190,9 +190,6 @@ def stack_command(
     """Print every rank's Python stack (py-spy) of a running `run` or `launch`, each headed by its rank, host and pid."""
     from raytrain_ddp.driver.look.stack import show_stacks
 
-    from raytrain_ddp.storage.location import local_only
-
-    local_only(storage_path, "stack")
     show_stacks(storage_path, name)
 
 

@@ -141,7 +141,7 @@ def local_only(storage_path: str, command: str) -> None:
     if is_uri(storage_path):
         raise ConfigError(
             f"`raytrain {command}` keeps its runs on a local or shared filesystem: --storage-path {storage_path} is an "
-            "object store's, which `raytrain run`, `submit`, `export` and `verify` take so far; pass a local or shared path"
+            "object store's, which `raytrain run`, `submit`, `export`, `verify` and `stack` take so far; pass a local or shared path"
         )
 
 

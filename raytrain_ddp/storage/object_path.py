@@ -22,9 +22,11 @@ from typing import IO, Any, Iterator
 
 @dataclass(frozen=True)
 class Size:
-    """What `stat()` tells of an object: its size (pathlib's os.stat_result, as far as it is used)."""
+    """What `stat()` tells of an object: its size and when it was written (pathlib's os.stat_result,
+    as far as it is used)."""
 
     st_size: int
+    st_mtime: float
 
 
 class ObjectPath:
@@ -93,7 +95,7 @@ class ObjectPath:
         info = self.info()
         if info.size is None:
             raise FileNotFoundError(f"no such object: {self}")
-        return Size(info.size)
+        return Size(info.size, info.mtime.timestamp() if info.mtime is not None else 0.0)
 
     def iterdir(self) -> Iterator[ObjectPath]:
         from pyarrow.fs import FileSelector

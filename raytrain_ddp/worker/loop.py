@@ -105,6 +105,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     marks = {"workers": entered or time.time(), "imports": time.time()}
     cfg = TrainConfig.from_dict(loop_config["config"])
     sink = loop_config["sink"]  # the driver's MetricsSink actor
+    run_dir = loop_config.get("run_dir") or Path(cfg.storage_path) / cfg.name  # for the rank's own files (--profile)
     given = loop_config.get("given", {})  # the Python API's model and dataset callables, if any
 
     # [1] The rank: threads, seed, device, and who runs where.
@@ -151,7 +152,8 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     marks["model"] = time.time()
     if rank == 0:
         announce(cfg, sink, state, resumed, ranks, loaders.steps_per_epoch, marks)
-    profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line))
+    profiler = Profiler(cfg, rank, device, loaders.steps_per_epoch, report=lambda line: sink.profiled.remote(rank, line),
+                        run_dir=run_dir)
     run = Setup(cfg, sink, rank, world_size, device, loaders, model, optimizer, scaler, amp_dtype, accum,
                 checkpointer, profiler, PartClock(model, device, loaders.loader_workers))
 
@@ -169,7 +171,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         if end_epoch(run, state, control, clock):
             return
     if rank == 0 and host_sync.syncs() is not None:  # a benchmark counted the passes' syncs (bench/overhead.py)
-        (Path(cfg.storage_path) / cfg.name / host_sync.COUNT_FILE).write_text(json.dumps({"syncs": host_sync.syncs()}))
+        (run_dir / host_sync.COUNT_FILE).write_text(json.dumps({"syncs": host_sync.syncs()}))
 
 
 def mark(marks: dict[str, float], stage: str, sink: Any, rank: int) -> None:

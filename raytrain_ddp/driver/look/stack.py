@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
-
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.doctor.diagnosis import is_stack, loader_place, worker_label
 from raytrain_ddp.doctor.ranks import ranks_from
@@ -17,12 +15,15 @@ from raytrain_ddp.doctor.stacks import dump_loader_workers, dump_stacks, glance,
 from raytrain_ddp.doctor.workers import WORKERS
 from raytrain_ddp.driver.session.connect import check_reachable, connect
 from raytrain_ddp.ray_compat.state import use_token_auth
+from raytrain_ddp.storage.location import RunPath, check_store, storage_root
 
 
 def show_stacks(storage_path: str, name: str | None) -> None:
     """Print `== rank N on HOST pid PID ==` and its `py-spy dump` for every rank of the run, then
     `== rank N's loader worker I (pid PID) on HOST: where ==` and its dump for each of its loader workers."""
-    run_dir = find_run(Path(storage_path).expanduser().absolute(), name)
+    storage = storage_root(storage_path)
+    check_store(storage, storage_path)
+    run_dir = find_run(storage, name)
     record = json.loads((run_dir / WORKERS).read_text())
     address, ranks = record.get("ray_address"), ranks_from(record["ranks"])
     if not address:
@@ -50,14 +51,15 @@ def show_stacks(storage_path: str, name: str | None) -> None:
                   f"{worker.stack.rstrip()}\n", flush=True)
 
 
-def find_run(storage: Path, name: str | None) -> Path:
-    """<storage>/<name>, or the run that wrote its workers.json last."""
+def find_run(storage: RunPath, name: str | None) -> RunPath:
+    """<storage>/<name>, or the run that wrote its workers.json last (on disk or in an object store)."""
     if name is not None:
         if not (storage / name / WORKERS).is_file():
             raise ConfigError(f"no running record of run {name} ({storage / name / WORKERS} is missing); check NAME "
                               "and --storage-path")
         return storage / name
-    records = sorted(storage.glob(f"*/{WORKERS}"), key=lambda path: path.stat().st_mtime)
+    records = sorted((run / WORKERS for run in storage.iterdir() if (run / WORKERS).is_file()),
+                     key=lambda path: path.stat().st_mtime)
     if not records:
         raise ConfigError(f"no run under {storage} has a {WORKERS}; pass --storage-path where the run writes")
     return records[-1].parent

@@ -156,14 +156,12 @@ def check_request(
 
 def check_kept_there(cfg: TrainConfig, run_dir: RunPath) -> None:
     """What a run on an object store cannot keep there yet, refused in one line before anything
-    starts: each of these writes a local directory of its own into the run directory. (TensorBoard's
-    events are staged locally and copied up: run_files.StagedEvents.)"""
+    starts: each of these keeps a local directory of its own in the run directory. (TensorBoard's
+    events and --profile's traces are written locally and copied up: run_files.StagedEvents,
+    worker/measure/profiling.py.)"""
     if isinstance(run_dir, Path):
         return
     store = f"a --storage-path on an object store ({run_dir.parent})"
-    if cfg.profile:
-        raise ConfigError(f"--profile writes each rank's traces into the run directory, which {store} cannot hold "
-                          "yet; profile with a local or shared --storage-path")
     if cfg.mlflow and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError(f"--mlflow keeps its sqlite store in the run directory, which {store} cannot hold; set "
                           "MLFLOW_TRACKING_URI to your tracking server")

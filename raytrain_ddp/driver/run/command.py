@@ -129,7 +129,9 @@ def train(plan: RunPlan, display: Display, signals: Signals, code_paths: list[st
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
     trainer = fast(DataParallelTrainer)(
         train_entry,
+        # run_dir: a Path, or an ObjectPath with its store's filesystem (endpoint, credentials) for the ranks' own files
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": plan.given, "code_paths": code_paths,
+                           "run_dir": plan.run_dir,
                            "resume_from": resume_from(plan)},
         scaling_config=configs.scaling,
         run_config=configs.run,

@@ -1,6 +1,7 @@
 """--profile: torch.profiler over a few micro-batches of the worker loop, a trace per rank, one line.
 
-The trace goes to <run dir>/profile/rankN.<id>.pt.trace.json through tensorboard_trace_handler: a
+The trace goes to <run dir>/profile/rankN.<id>.pt.trace.json through tensorboard_trace_handler (on
+an object store: written to a local temporary directory, then copied up with the store's filesystem): a
 Chrome trace that Perfetto (ui.perfetto.dev) opens as it is, and TensorBoard's profiler view reads
 (`tensorboard --logdir runs/NAME/profile`). The line answers the first question people profile for:
 is the step bound by the data, the compute or the communication.
@@ -9,6 +10,8 @@ is the step bound by the data, the compute or the communication.
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from raytrain_ddp.config import TrainConfig
+from raytrain_ddp.storage.object_path import ObjectPath
 
 COLLECTIVE = re.compile(r"^(gloo|nccl):|^c10d::|^nccl.*kernel", re.IGNORECASE)
 """Events that are communication: gloo's and NCCL's collectives on the host (gloo runs them in
@@ -28,7 +32,7 @@ class Profiler:
     off, every call does nothing. `report` gets the rank's one line when the trace is written."""
 
     def __init__(self, cfg: TrainConfig, rank: int, device: torch.device, steps_per_epoch: int,
-                 report: Callable[[str], Any]) -> None:
+                 report: Callable[[str], Any], run_dir: Path | ObjectPath | None = None) -> None:
         self.prof, self.steps, self.waits = None, 0, []
         if cfg.profile_steps is None:
             return
@@ -43,7 +47,9 @@ class Profiler:
                 f"micro-batches, but an epoch here has {steps_per_epoch} per rank; lower WAIT:WARMUP:ACTIVE"
             )
             return
-        self.dir = Path(cfg.storage_path) / cfg.name / "profile"  # absolute: resolve_run made it so
+        run_dir = run_dir if run_dir is not None else Path(cfg.storage_path) / cfg.name  # absolute: resolve_run made it so
+        self.remote = run_dir / "profile" if isinstance(run_dir, ObjectPath) else None
+        self.dir = Path(tempfile.mkdtemp(prefix="raytrain-profile-")) if self.remote else run_dir / "profile"
         self.dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.prof = profile(
@@ -71,10 +77,14 @@ class Profiler:
 
     def ready(self, prof: profile) -> None:
         tensorboard_trace_handler(str(self.dir), worker_name=f"rank{self.rank}")(prof)
-        self.report(summary_line(self.rank, prof.events(), self.waits, self.cuda, self.dir))
+        if self.remote is not None:  # a trace file is written whole, then copied whole
+            for trace in self.dir.iterdir():
+                (self.remote / trace.name).write_bytes(trace.read_bytes())
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.report(summary_line(self.rank, prof.events(), self.waits, self.cuda, self.remote or self.dir))
 
 
-def summary_line(rank: int, events: Any, waits: list[float], cuda: bool, where: Path) -> str:
+def summary_line(rank: int, events: Any, waits: list[float], cuda: bool, where: Path | ObjectPath) -> str:
     """`profile rank 0: 3 steps of 41.2 ms: data 12%, compute 71%, communication 17%; top ops ...`.
 
     Step time is the profiler's ProfilerStep windows; data is the loop's own wait for each batch;
