@@ -13,6 +13,7 @@ Needs root, iproute2, util-linux and Debian's Slurm packages:
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
@@ -657,10 +658,41 @@ PREEMPT_RUN = ("raytrain", "run", "--workers", "2", "--cpus-per-worker", "2", "-
                "--checkpoint-every-steps", "5", "--data-workers", "0", "--progress", "plain")
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
-    run_dir = lab.work / "runs" / "pre"
-    job_id = lab.submit(*PREEMPT_RUN, "--storage-path", str(lab.work / "runs"), "--name", "pre",
-                        sbatch_flags=("--nodes=2", "--requeue"))
+@pytest.fixture
+def bridge_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """An S3 server (moto's) on the testbed's bridge, which every node reaches and nothing outside
+    does; its environment, set in this process too, with a bucket `runs`."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from raytrain_ddp.net import free_port
+
+    port = free_port(BRIDGE)
+    server = ThreadedMotoServer(ip_address=BRIDGE, port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL_S3": f"http://{BRIDGE}:{port}"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"]).create_bucket(Bucket="runs")
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+BRIDGE = "192.168.77.1"
+"""The testbed's bridge: the host's side of the nodes' network (tests/slurm/testbed.sh)."""
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab, bridge_s3: dict[str, str]) -> None:
+    """#52 too: the run is kept in an object store, not on a filesystem the nodes share. The
+    requeued job, on a fresh Ray, finds its checkpoint there."""
+    from raytrain_ddp.storage.location import storage_root
+
+    run_dir = storage_root("s3://runs/slurm") / "pre"
+    job_id = lab.submit(*PREEMPT_RUN, "--storage-path", "s3://runs/slurm", "--name", "pre",
+                        sbatch_flags=("--nodes=2", "--requeue"), env=bridge_s3)
     start = time.monotonic()
     lab.wait_until(job_id, "training (workers.json)", (run_dir / "workers.json").exists, timeout=300)
     signalled = time.monotonic()
@@ -702,10 +734,11 @@ def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab) -> None:
     resumed = re.search(r"resumed from the checkpoint at epoch (\d+) step (\d+)", job.log)
     assert resumed and resumed.groups() == stop.groups(), job.log
 
-    with open(run_dir / "metrics.csv", newline="") as f:
-        assert [int(row["epoch"]) for row in csv.DictReader(f)] == [1, 2, 3]
+    rows = csv.DictReader(io.StringIO((run_dir / "metrics.csv").read_text()))
+    assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2
+    assert summary["world_size"] == 2 and summary["run_dir"] == "s3://runs/slurm/pre"
+    assert not (lab.work / "runs").exists() and not (lab.work / "s3:").exists()  # nothing kept on the nodes' disk
     assert sorted(summary["nodes"]) == NODES
     assert_cleaned_up(lab, job_id, restarts=1)
 
