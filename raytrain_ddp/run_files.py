@@ -1,6 +1,6 @@
 """The run's files on the driver: metrics.csv and .parquet (CSV_COLUMNS), summary.json and the rest,
 each written whole (a reader never sees half a file), and read back for verify and scale. A run
-directory is a local Path or an object store's ObjectPath (storage/): one PUT there is whole too."""
+directory is a local Path or an object store's ObjectPath (storage/): an upload there is seen whole too."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ CSV_COLUMNS = [
 
 
 def write_atomic(path: Path | ObjectPath, text: str) -> None:
-    """Write to a temp file and rename, so a reader never sees half a file (an object: one PUT)."""
+    """Write to a temp file and rename, so a reader never sees half a file (an object: one upload,
+    which appears when it completes)."""
     if isinstance(path, ObjectPath):
         path.write_text(text)
         return

@@ -105,7 +105,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     marks = {"workers": entered or time.time(), "imports": time.time()}
     cfg = TrainConfig.from_dict(loop_config["config"])
     sink = loop_config["sink"]  # the driver's MetricsSink actor
-    run_dir = loop_config.get("run_dir") or Path(cfg.storage_path) / cfg.name  # for the rank's own files (--profile)
+    run_dir = loop_config.get("run_dir") or Path(cfg.storage_path) / cfg.name  # the rank's own files: --profile's, a benchmark's
     given = loop_config.get("given", {})  # the Python API's model and dataset callables, if any
 
     # [1] The rank: threads, seed, device, and who runs where.

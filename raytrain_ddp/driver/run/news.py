@@ -22,13 +22,13 @@ from raytrain_ddp.driver.run.progress import Display
 from raytrain_ddp.run_files import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.run_records import RunState
 from raytrain_ddp.stops import Interrupted, RankConfigError, Stopped, UnhealthyNode
-from raytrain_ddp.storage.location import first_line
+from raytrain_ddp.storage.location import RunPath, first_line
 from raytrain_ddp.storage.object_path import ObjectPath
 
 RESUME_HINT = "run the same command again (same --storage-path and --name {name}) to resume"
 
 
-def kept(run_dir: Path, name: str) -> str:
+def kept(run_dir: RunPath, name: str) -> str:
     """What a rerun of a run stopped without a new checkpoint starts from, and how to rerun it: a sentence."""
     rerun = RESUME_HINT.format(name=name).removesuffix(" to resume")
     try:
