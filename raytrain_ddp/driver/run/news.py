@@ -5,7 +5,6 @@ health check's verdict, the blame of a failure, and the grace of a stop."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp.checkpoint.files import latest_checkpoint, read_info
