@@ -738,7 +738,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(lab: Lab, bridge_s3: dic
     assert [int(row["epoch"]) for row in rows] == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["run_dir"] == "s3://runs/slurm/pre"
-    assert not (lab.work / "runs").exists() and not (lab.work / "s3:").exists()  # nothing kept on the nodes' disk
+    assert not (lab.work / "runs" / "pre").exists() and not (lab.work / "s3:").exists()  # nothing on the nodes' disk
     assert sorted(summary["nodes"]) == NODES
     assert_cleaned_up(lab, job_id, restarts=1)
 
