@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import ConfigError
-from raytrain_ddp.storage.location import RunPath
+from raytrain_ddp.storage.location import RunPath, first_line
 from raytrain_ddp.storage.object_path import ObjectPath
 
 LOCK = "driver.lock"
@@ -144,7 +144,7 @@ class Lease:
         try:
             path.write_text(json.dumps(asdict(me)))
         except OSError as err:
-            raise ConfigError(f"cannot write run directory {run_dir} ({str(err).splitlines()[0][:200]}); "
+            raise ConfigError(f"cannot write run directory {run_dir} ({first_line(err)}); "
                               "pass a writable --storage-path") from None
         time.sleep(CONFIRM_S)
         back = read_holder(path)
@@ -158,7 +158,7 @@ class Lease:
             try:
                 self.write()
             except OSError as err:  # the store away for a while: the next renewal tries again
-                print(f"warning: cannot renew the lease {self.path} ({str(err).splitlines()[0][:160]})", file=sys.stderr)
+                print(f"warning: cannot renew the lease {self.path} ({first_line(err)})", file=sys.stderr)
 
     def write(self) -> None:
         self.me = Holder(**{**asdict(self.me), "renewed": time.time()})
