@@ -49,6 +49,21 @@ def write_atomic(path: Path | ObjectPath, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_png(path: Path | ObjectPath, fig: Any, **savefig: Any) -> None:
+    """A matplotlib figure as a PNG, written whole as write_atomic writes text; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    image = io.BytesIO()
+    fig.savefig(image, format="png", **savefig)
+    plt.close(fig)
+    if isinstance(path, ObjectPath):
+        path.write_bytes(image.getvalue())
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(image.getvalue())
+    os.replace(tmp, path)
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")

@@ -1,15 +1,17 @@
 """`raytrain sweep` on the shared Ray head: ASHA's cut at concurrency 1 (ray-project/ray#54305's
-deadlock), a driver killed mid-sweep and resumed, and no placement group left behind either way."""
+deadlock), a driver killed mid-sweep and resumed (on an object store), and no placement group left behind either way."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,14 +83,25 @@ callback and the trial namer that Tune pickles there, named by their old module 
 is named, not pickled, and the trials' actors import it anew.)"""
 
 
-def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp_path):
-    """Killed under the modules' old paths (BEFORE_THE_MOVE), resumed under today's."""
+def test_a_killed_sweep_on_an_object_store_resumes_without_rerunning_a_finished_trial(ray_head, s3_server, tmp_path,
+                                                                                     monkeypatch):
+    """Killed under the modules' old paths (BEFORE_THE_MOVE), resumed under today's; every file of
+    the sweep on S3 (moto's server), Tune's state too (#52). The head's raylet never had the store's
+    settings: the trials' actors get them from the driver. No object there holds the secret key."""
+    secret = f"sweep-secret-{time.time_ns()}"  # moto takes any key: one that no file could hold by chance
+    env = {**ray_head.env, **s3_server.env, "AWS_SECRET_ACCESS_KEY": secret}
+    for key in s3_server.env:  # this process reads the bucket as the driver does
+        monkeypatch.setenv(key, env[key])
+    from raytrain_ddp.storage.location import storage_root
+
+    root = f"s3://runs/sweep-{time.time_ns()}"
     space = tmp_path / "space.yaml"
     space.write_text("epochs: {grid: [1, 6]}\n")  # t00 ends at once; t01 is mid-run when the driver dies
     args = ["sweep", "--space", str(space), "--trials", "1", "--concurrent", "2", "--name", "killed",
-            "--storage-path", str(tmp_path), *RUN]
-    trials = tmp_path / "killed" / "trials"
-    driver = subprocess.Popen([sys.executable, "-c", BEFORE_THE_MOVE, *args], env=ray_head.env,
+            "--storage-path", root, *RUN]
+    sweep_dir = storage_root(root) / "killed"
+    trials = sweep_dir / "trials"
+    driver = subprocess.Popen([sys.executable, "-c", BEFORE_THE_MOVE, *args], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (finished(trials, "t00") and list((trials / "t01").glob("checkpoint_*"))):
@@ -99,23 +112,35 @@ def test_a_killed_sweep_resumes_without_rerunning_a_finished_trial(ray_head, tmp
     driver.communicate(timeout=30)
     first_start = json.loads((trials / "t00.json").read_text())["started"]
 
-    pickled = (tmp_path / "killed" / "tune" / "tuner.pkl").read_bytes()
+    pickled = (sweep_dir / "tune" / "tuner.pkl").read_bytes()
     assert b"raytrain_ddp.driver.sweep_lines" in pickled and b"raytrain_ddp.sweep.lines" not in pickled
 
-    again = raytrain(*args, env=ray_head.env, timeout=400)
+    again = raytrain(*args, env=env, timeout=400, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "resuming sweep killed" in again.stderr, again.stderr
     assert "trial t00" not in again.stderr and "trial t01 resumed from its checkpoint" in again.stderr, again.stderr
     assert json.loads((trials / "t00.json").read_text())["started"] == first_start
     assert "resumed from the checkpoint" in (trials / "t01.log").read_text()
-    table = results(tmp_path / "killed")
+    table = {row["trial"]: row for row in csv.DictReader(io.StringIO((sweep_dir / "results.csv").read_text()))}
     assert [table[t]["status"] for t in ("t00", "t01")] == ["finished", "finished"], table
-    epochs = [row["epoch"] for row in csv.DictReader(open(trials / "t01" / "metrics.csv"))]
+    epochs = [row["epoch"] for row in csv.DictReader(io.StringIO((trials / "t01" / "metrics.csv").read_text()))]
     assert epochs == [str(e) for e in range(1, 7)], epochs  # every epoch once: resumed, not restarted
+    assert (sweep_dir / "curves.png").stat().st_size > 10_000
+    assert list(tmp_path.iterdir()) == [space]  # nothing of the sweep's in the working directory
+    holding = [path for path in objects(sweep_dir) if secret.encode() in path.read_bytes()]
+    assert holding == [], holding
     assert live_groups(ray_head.env) == []
 
 
-def finished(trials: Path, trial: str) -> bool:
+def objects(where: Any) -> list[Any]:
+    """Every object below a prefix of the store."""
+    found = []
+    for path in where.iterdir():
+        found += objects(path) if path.is_dir() else [path]
+    return found
+
+
+def finished(trials: Any, trial: str) -> bool:
     try:
         return json.loads((trials / f"{trial}.json").read_text())["status"] == "finished"
     except (OSError, ValueError):

@@ -37,9 +37,11 @@ def is_uri(storage_path: str) -> bool:
     return bool(URI.match(storage_path)) and not storage_path.startswith("file://")
 
 
-def storage_root(storage_path: str) -> RunPath:
+def storage_root(storage_path: str, keys: bool = True) -> RunPath:
     """--storage-path as a path: local ones made absolute (the ranks do not start in the driver's
-    directory), URIs on their store's filesystem."""
+    directory), URIs on their store's filesystem. `keys=False`: a filesystem that holds no
+    credentials of its own, for one that is pickled into files (Tune's state); it finds them where
+    it is used."""
     if storage_path.startswith("file://"):
         storage_path = storage_path[len("file://"):]
     if not is_uri(storage_path):
@@ -49,7 +51,7 @@ def storage_root(storage_path: str) -> RunPath:
     if not parts.netloc:
         raise ConfigError(f"--storage-path {storage_path} names no bucket; pass {parts.scheme}://BUCKET/PREFIX")
     if parts.scheme == "s3":
-        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query))), "s3", key)
+        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query)), keys=keys), "s3", key)
     from pyarrow import fs
 
     try:
@@ -60,9 +62,10 @@ def storage_root(storage_path: str) -> RunPath:
     return ObjectPath(filesystem, parts.scheme, path)
 
 
-def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = None) -> Any:
+def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = None, keys: bool = True) -> Any:
     """An S3 filesystem for `bucket`, by the URI's query and the environment (the module's doc).
-    `answer_s`: a probe's, bounded by one try of that many seconds."""
+    `answer_s`: a probe's, bounded by one try of that many seconds; `keys=False`: the environment's
+    credentials are left to the AWS chain where the filesystem is used, not held in it."""
     try:
         from pyarrow import fs
         from pyarrow.fs import S3FileSystem
@@ -85,7 +88,7 @@ def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = N
             raise ConfigError(f"--storage-path s3://{bucket}: cannot find the bucket's region ({first_line(err)}); "
                               "set AWS_REGION, or check the bucket's name") from None
     options["region"] = region
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+    if keys and os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         options.update(access_key=os.environ["AWS_ACCESS_KEY_ID"], secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
                        session_token=os.environ.get("AWS_SESSION_TOKEN"))
     if answer_s is None:
@@ -136,12 +139,33 @@ def ray_storage(root: RunPath) -> dict[str, Any]:
     return {"storage_path": root.key, "storage_filesystem": root.fs}
 
 
+def below(storage_path: str, *parts: str) -> str:
+    """A storage path under another, as a string a process elsewhere can resolve again: a URI keeps
+    its query (?endpoint_override=), which is part of where the store is."""
+    if not is_uri(storage_path):
+        return str(Path(storage_path).joinpath(*parts))
+    split = urlsplit(storage_path)
+    return split._replace(path="/".join([split.path.rstrip("/"), *parts])).geturl()
+
+
+STORE_ENV = ("AWS_", "GOOGLE_APPLICATION_CREDENTIALS")
+"""The variables an object store's client reads (endpoint, region, credentials)."""
+
+
+def store_env(storage_path: str) -> dict[str, str]:
+    """The driver's object-store settings, for actors that resolve the store themselves (a sweep's
+    trials): a Ray worker starts with its raylet's environment, not the driver's. {} for a local path."""
+    if not is_uri(storage_path):
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(STORE_ENV)}
+
+
 def local_only(storage_path: str, command: str) -> None:
     """One line for a command that keeps its runs on a filesystem only, given an object store's URI."""
     if is_uri(storage_path):
         raise ConfigError(
             f"`raytrain {command}` keeps its runs on a local or shared filesystem: --storage-path {storage_path} is an "
-            "object store's, which `raytrain run`, `submit`, `export`, `verify` and `stack` take so far; pass a local or shared path"
+            "object store's, which `raytrain run`, `sweep`, `submit`, `export`, `verify` and `stack` take so far; pass a local or shared path"
         )
 
 

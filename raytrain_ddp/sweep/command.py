@@ -29,7 +29,7 @@ from raytrain_ddp.driver.plan.shipping import ship_code, user_code
 from raytrain_ddp.driver.session import connect as session
 from raytrain_ddp.run_files import read_csv, write_json
 from raytrain_ddp.stops import Interrupted, Stopped
-from raytrain_ddp.storage.location import local_only
+from raytrain_ddp.storage.location import RunPath, below, ray_storage, storage_root, store_env
 from raytrain_ddp.sweep.report import fmt, say
 
 METRICS = {"val_acc": "max", "train_acc": "max", "val_loss": "min", "train_loss": "min"}
@@ -101,7 +101,6 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     checkpointed, for a rerun to resume."""
     from raytrain_ddp.sweep.space import describe, load_space
 
-    local_only(base.storage_path, "sweep")
     if base.name is None:
         raise ConfigError("raytrain sweep needs --name: the sweep's directory, and what a rerun of it resumes")
     if base.elastic:
@@ -117,7 +116,7 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
     base = dataclasses.replace(base, cpus_per_worker=base.cpus_per_worker or 1)
     space = load_space(sc.space, base)
     trials = sample(space, sc, base)
-    code = check_trials(trials, sweep_dir)
+    code = check_trials(trials, below(base.storage_path, sweep_dir.name, "trials"))
     if not any(word.startswith("--cpus-per-worker") for word in run_args):
         run_args = [*run_args, "--cpus-per-worker", str(base.cpus_per_worker)]  # the trial's, for its command
     if sc.dry_run:
@@ -129,7 +128,7 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
         session.connect(address, base.verbose)
         code_paths, code_env = user_code(code)
         # Once, before any trial: every trial's actor and worker is of this job, and gets its runtime_env
-        ship_code(address, base.verbose, {**code_env, **tracker_env(trials)})
+        ship_code(address, base.verbose, {**code_env, **actor_env(trials, base.storage_path)})
         return run_trials(base, sc, trials, sweep_dir, describe(space), run_args, code_paths)
     finally:
         run_lock.release(sweep_dir)
@@ -162,7 +161,7 @@ CHECKED_BY_PARTS = ("model", "dataset", "data_dir", "image_size", "num_classes",
 none of them passes what another passed."""
 
 
-def check_trials(trials: list[Trial], sweep_dir: Path) -> dict[str, tuple[Path, Path]]:
+def check_trials(trials: list[Trial], trials_dir: str) -> dict[str, tuple[Path, Path]]:
     """The checks that need no cluster, once for each distinct model, data and trackers among the
     trials, before Ray starts: a bad --model in one trial is found now, not an hour in. Returns the
     user's --model/--dataset modules (RunPlan.code), which the sweep places on the nodes once."""
@@ -175,7 +174,7 @@ def check_trials(trials: list[Trial], sweep_dir: Path) -> dict[str, tuple[Path, 
         if key in seen:
             continue
         seen.add(key)
-        cfg = dataclasses.replace(trial.cfg, name=trial.id, storage_path=str(sweep_dir / "trials"), resume=False)
+        cfg = dataclasses.replace(trial.cfg, name=trial.id, storage_path=trials_dir, resume=False)
         try:
             code.update(check_request(cfg, dry=True).code)
         except ConfigError as err:
@@ -190,16 +189,17 @@ TRACKER_ENV = ("MLFLOW_", "WANDB_")
 driver has them: a Ray worker gets the environment of the node it runs on, not the driver's."""
 
 
-def tracker_env(trials: list[Trial]) -> dict[str, Any]:
-    """The job's runtime_env entry that hands the driver's tracker settings to the trials' actors;
-    {} when no trial tracks (joining again with a runtime_env costs a second or two)."""
-    if not any(t.cfg.mlflow or t.cfg.wandb for t in trials):
-        return {}
-    env = {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV)}
+def actor_env(trials: list[Trial], storage_path: str) -> dict[str, Any]:
+    """The job's runtime_env entry that hands the trials' actors the driver's tracker settings and
+    its object store's (location.store_env: each trial's run resolves the store again); {} when no
+    trial tracks and the store is a filesystem (joining again with a runtime_env costs a second or two)."""
+    env = store_env(storage_path)
+    if any(t.cfg.mlflow or t.cfg.wandb for t in trials):
+        env |= {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV)}
     return {"env_vars": env} if env else {}
 
 
-def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Path) -> None:
+def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: RunPath) -> None:
     """--dry-run: the plan, printed; nothing started."""
     print(f"sweep {sweep_dir.name}: {len(trials)} trials over {space}; {sc.scheduler} on {sc.metric} ({sc.best_is})")
     for trial in trials:
@@ -209,7 +209,7 @@ def list_trials(trials: list[Trial], sc: SweepConfig, space: str, sweep_dir: Pat
     return None
 
 
-def keep_plan(sweep_dir: Path, base: TrainConfig, trials: list[Trial], sc: SweepConfig) -> None:
+def keep_plan(sweep_dir: RunPath, base: TrainConfig, trials: list[Trial], sc: SweepConfig) -> None:
     """sweep.json: the trials and the base config. A rerun must ask for the same ones: it resumes them."""
     plan = {
         "trials": [{"id": t.id, "params": t.params} for t in trials],
@@ -269,7 +269,7 @@ def packing(trials: list[Trial], sc: SweepConfig, free: list[dict[str, float]]) 
     return at_once, slots, line
 
 
-def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, space: str,
+def run_trials(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: RunPath, space: str,
                run_args: list[str], code_paths: list[str]) -> dict[str, Any]:
     """Split the cluster, hand the trials to Tune (or restore its state), and report at the end."""
     from raytrain_ddp.driver.session.cluster import SETTLE_S, node_use
@@ -302,7 +302,7 @@ MOVED = {"raytrain_ddp.driver.sweep_lines": "raytrain_ddp.sweep.lines", "raytrai
 before 0.1.0's driver/ became rooms: a sweep stopped before the move still resumes after it."""
 
 
-def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Path, at_once: int,
+def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: RunPath, at_once: int,
           code_paths: list[str]) -> Any:
     """Ray Tune's Tuner over exactly these trials (a grid of them), or the one a stopped sweep saved."""
     import ray
@@ -317,30 +317,35 @@ def tuner(base: TrainConfig, sc: SweepConfig, trials: list[Trial], sweep_dir: Pa
     node = ray.get_runtime_context().get_node_id()
     ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node), None)
     trainable = tune.with_resources(TrialRun, tune.PlacementGroupFactory([{"CPU": 0, f"node:{ip}": 0.001} if ip else {"CPU": 0}]))
-    tune_dir = sweep_dir / "tune"
-    if tune.Tuner.can_restore(str(tune_dir)):
+    # Tune pickles its filesystem into its state (tuner.pkl, the trials'): one that holds no
+    # credentials, which the driver and the trials' actors find in their environment (actor_env)
+    store = ray_storage(storage_root(base.storage_path, keys=False) / sweep_dir.name)
+    tune_dir = f"{store['storage_path']}/tune"
+    if tune.Tuner.can_restore(tune_dir, storage_filesystem=store.get("storage_filesystem")):
         say(f"resuming sweep {sweep_dir.name}: finished and stopped trials are kept, the rest go on from their checkpoints")
         for old, new in MOVED.items():
             sys.modules.setdefault(old, importlib.import_module(new))
-        return tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True, resume_errored=False)
+        return tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                  storage_filesystem=store.get("storage_filesystem"))
     scheduler = (
         ASHAScheduler(time_attr="epoch", max_t=base.epochs, grace_period=sc.grace_epochs, reduction_factor=sc.eta,
                       stop_last_trials=False)  # a trial's last epoch ends it: no cut as it finishes
         if sc.scheduler == "asha" else FIFOScheduler()
     )
+    where = below(base.storage_path, sweep_dir.name)  # as typed: the actors resolve it again
     return tune.Tuner(
         trainable,
         param_space={
             "trial": tune.grid_search([{"id": t.id, "params": t.params} for t in trials]),
-            "base": base.to_dict(), "cwd": os.getcwd(), "trials_dir": str(sweep_dir / "trials"), "code_paths": code_paths,
+            "base": base.to_dict(), "cwd": os.getcwd(), "trials_dir": below(where, "trials"), "code_paths": code_paths,
         },
         tune_config=tune.TuneConfig(
             metric=sc.metric, mode=sc.best_is, scheduler=scheduler, num_samples=1, max_concurrent_trials=at_once,
             reuse_actors=False, trial_name_creator=trial_name, trial_dirname_creator=trial_name,
         ),
         run_config=tune.RunConfig(
-            name="tune", storage_path=str(sweep_dir), verbose=0,
-            callbacks=[SweepLines(str(sweep_dir), sc.metric, sc.best_is, base.epochs, rungs(sc, base.epochs))],
+            name="tune", **store, verbose=0,
+            callbacks=[SweepLines(where, sc.metric, sc.best_is, base.epochs, rungs(sc, base.epochs))],
             failure_config=tune.FailureConfig(max_failures=0),
         ),
     )
@@ -357,7 +362,7 @@ def rungs(sc: SweepConfig, epochs: int) -> list[int]:
     return out
 
 
-def trial_checkpoint(run_dir: Path) -> Path | None:
+def trial_checkpoint(run_dir: RunPath) -> RunPath | None:
     """The trial's newest whole checkpoint, for the table; None where it has none yet, or none whole
     (one stopped while its first checkpoint was written): the trial's own rerun says why, and one
     trial's files must not cost the sweep its report."""
@@ -369,7 +374,7 @@ def trial_checkpoint(run_dir: Path) -> Path | None:
         return None
 
 
-def report(trials: list[Trial], sc: SweepConfig, sweep_dir: Path, run_args: list[str], slots: int,
+def report(trials: list[Trial], sc: SweepConfig, sweep_dir: RunPath, run_args: list[str], slots: int,
            began: float, ended: float, rung_epochs: list[int]) -> dict[str, Any]:
     """The table, results.csv, summary.json and the plots, from every trial's files."""
     from raytrain_ddp.sweep import report as out

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-from pathlib import Path
 from typing import Any
 
 from ray import tune
 
 from raytrain_ddp.driver.core.drive import STOP_SIGNALS
 from raytrain_ddp.run_files import write_json
+from raytrain_ddp.storage.location import RunPath, storage_root
 from raytrain_ddp.sweep.report import fmt, say
 from raytrain_ddp.sweep.trial import ended_before, outcome_path
 
@@ -57,7 +57,8 @@ def noting(tune_handler: Any) -> Any:
 
 class SweepLines(tune.Callback):
     """Tune's callback: a line for each trial's start, rung and end, and its status in status.json
-    (a rerun's report reads the ones before it). Tune pickles it with the experiment and restores it."""
+    (a rerun's report reads the ones before it). Tune pickles it with the experiment and restores it:
+    so it keeps the sweep's directory as typed (a URI holds no credentials) and resolves it at use."""
 
     def __init__(self, sweep_dir: str, metric: str, mode: str, epochs: int, rungs: list[int]) -> None:
         self.sweep_dir, self.metric, self.mode, self.epochs, self.rungs = sweep_dir, metric, mode, epochs, rungs
@@ -72,14 +73,15 @@ class SweepLines(tune.Callback):
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **_info: Any) -> None:
         tid = trial_name(trial)
-        if ended_before(Path(self.sweep_dir) / "trials", tid):
+        trials_dir = self.trials_dir()
+        if ended_before(trials_dir, tid):
             return  # kept as it ended before the sweep was stopped (sweep_trial.ended_before)
         others = [t for t in trials if t is not trial]
         running = 1 + sum(t.status == "RUNNING" for t in others)
         ended = sum(t.status in ("TERMINATED", "ERROR") for t in others)
         waiting = sum(t.status in ("PENDING", "PAUSED") for t in others)
         # Its checkpoints, not its outcome file: the actor writes that in setup, before Tune calls this
-        resumes = any((Path(self.sweep_dir) / "trials" / tid).glob("checkpoint_*"))
+        resumes = any((trials_dir / tid).glob("checkpoint_*"))
         again = "resumed from its checkpoint" if resumes else "started"
         say(f"trial {tid} {again}: {fmt(trial.config['trial']['params'])} ({running} running, {ended} ended, {waiting} waiting)")
 
@@ -117,21 +119,24 @@ class SweepLines(tune.Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **_info: Any) -> None:
         tid = trial_name(trial)
-        outcome = read_outcome(Path(self.sweep_dir) / "trials", tid)
-        say(f"trial {tid} failed: {outcome.get('line') or 'see its log, ' + str(Path(self.sweep_dir) / 'trials' / (tid + '.log'))}")
+        outcome = read_outcome(self.trials_dir(), tid)
+        say(f"trial {tid} failed: {outcome.get('line') or 'see its log, ' + str(self.trials_dir() / (tid + '.log'))}")
         self.status(tid, "failed")
+
+    def trials_dir(self) -> RunPath:
+        return storage_root(self.sweep_dir) / "trials"
 
     def status(self, tid: str, status: str) -> None:
         self.record("status.json", tid, status)
 
     def record(self, name: str, tid: str, value: Any) -> None:
         """status.json: how each trial ended; cuts.json: the epoch ASHA cut each stopped one at."""
-        path = Path(self.sweep_dir) / name
+        path = self.trials_dir().parent / name
         values = json.loads(path.read_text()) if path.exists() else {}
         write_json(path, {**values, tid: value})
 
 
-def read_outcome(trials_dir: Path, tid: str) -> dict[str, Any]:
+def read_outcome(trials_dir: RunPath, tid: str) -> dict[str, Any]:
     path = outcome_path(trials_dir, tid)
     try:
         return json.loads(path.read_text())

@@ -10,16 +10,15 @@ import csv
 import io
 import json
 import math
-import os
 import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import as_flag, flag_spellings
-from raytrain_ddp.run_files import write_atomic, write_json
+from raytrain_ddp.run_files import write_atomic, write_json, write_png
+from raytrain_ddp.storage.location import RunPath
 
 STATUSES = ("finished", "stopped early", "failed", "stopped", "pending")
 """A trial's status: ran all its epochs; cut by ASHA; failed; interrupted (a resume continues it); not begun."""
@@ -112,7 +111,7 @@ def best_line(records: Sequence[TrialRecord], metric: str, mode: str) -> str:
     return f"best: {best.trial} {metric} {_short(best_value(best, metric, mode), digits=4)} ({params})"
 
 
-def write_results_csv(path: Path, records: Sequence[TrialRecord], metric: str, mode: str) -> None:
+def write_results_csv(path: RunPath, records: Sequence[TrialRecord], metric: str, mode: str) -> None:
     """results.csv: one row per trial, its params at full precision (so a row can be rerun as it ran)."""
     names = param_names(records)
     fixed = ["status", "epochs_done", f"best_{metric}", "started", "ended", "worker_s", "error", "checkpoint"]
@@ -157,7 +156,7 @@ def reproduce_command(run_args: list[str], params: dict[str, Any], name: str) ->
 
 
 def write_summary(
-    path: Path, records: Sequence[TrialRecord], metric: str, mode: str, run_args: list[str], facts: dict[str, Any]
+    path: RunPath, records: Sequence[TrialRecord], metric: str, mode: str, run_args: list[str], facts: dict[str, Any]
 ) -> dict[str, Any]:
     """summary.json beside trials/: the best trial (its params, value, checkpoint, config, the command that
     reruns it as a run of its own) or None, counts by status, then `facts` from the driver. Returns it."""
@@ -198,7 +197,7 @@ def idle_share(slots: int, began: float, ended: float, records: Sequence[TrialRe
     return min(1.0, max(0.0, 1.0 - held / (slots * span)))
 
 
-def plot_curves(path: Path, records: Sequence[TrialRecord], metric: str, mode: str, rungs: list[int]) -> None:
+def plot_curves(path: RunPath, records: Sequence[TrialRecord], metric: str, mode: str, rungs: list[int]) -> None:
     """PNG: `metric` per epoch, a line per trial, an x where ASHA stopped one, dashed lines at the rungs,
     the best trial thicker."""
     plt = _pyplot()
@@ -230,10 +229,10 @@ def plot_curves(path: Path, records: Sequence[TrialRecord], metric: str, mode: s
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="epoch", ylabel=metric, title=f"{metric} per epoch, {_trials(len(records))} ({mode} is best)")
     ax.grid(alpha=0.3)
-    _save(fig, path)
+    write_png(path, fig, dpi=110, bbox_inches="tight")
 
 
-def plot_parallel(path: Path, records: Sequence[TrialRecord], metric: str, mode: str) -> None:
+def plot_parallel(path: RunPath, records: Sequence[TrialRecord], metric: str, mode: str) -> None:
     """PNG: parallel coordinates, an axis per param plus the metric's, a line per trial with a value, coloured
     by it. Each axis spans its own values: log where they span 2 decades or more, categories evenly."""
     plt = _pyplot()
@@ -246,7 +245,7 @@ def plot_parallel(path: Path, records: Sequence[TrialRecord], metric: str, mode:
     if not scored:
         ax.text(0.5, 0.5, f"no trial has reported {metric} yet", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
-        _save(fig, path)
+        write_png(path, fig, dpi=110, bbox_inches="tight")
         return
     columns = [[r.params.get(n) for r, _ in scored] for n in names] + [[v for _, v in scored]]
     axes = [_axis(values) for values in columns]
@@ -275,7 +274,7 @@ def plot_parallel(path: Path, records: Sequence[TrialRecord], metric: str, mode:
         ax.spines[side].set_visible(False)
     fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label=f"best {metric}", pad=0.02)
     ax.set_title(f"{_trials(len(scored))}: parameters against best {metric} (thick: the best, {best.trial})")
-    _save(fig, path)
+    write_png(path, fig, dpi=110, bbox_inches="tight")
 
 
 def param_names(records: Sequence[TrialRecord]) -> list[str]:
@@ -362,7 +361,7 @@ def _split(token: str, takes_value: set[str]) -> tuple[str, str | None]:
     return token, None
 
 
-def _read_config(path: Path) -> dict[str, Any] | None:
+def _read_config(path: RunPath) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text()).get("config")
     except (OSError, ValueError, AttributeError):
@@ -376,13 +375,3 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _save(fig: Any, path: Path) -> None:
-    """Write the PNG whole, as metrics.write_atomic does, so a reader never opens half an image."""
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-    plt.close(fig)
-    os.replace(tmp, path)

@@ -28,6 +28,8 @@ from raytrain_ddp.driver.core.drive import Signals
 from raytrain_ddp.errors import one_line
 from raytrain_ddp.run_files import write_json
 from raytrain_ddp.stops import Interrupted, Stopped
+from raytrain_ddp.storage.location import RunPath, storage_root
+from raytrain_ddp.storage.object_path import ObjectPath
 
 HEARTBEAT_S = 5.0
 """The longest a step waits for an epoch's row: Tune can stop a trial only between steps, so a
@@ -46,7 +48,7 @@ def trial_config(config: dict[str, Any]) -> TrainConfig:
 
     trial = config["trial"]
     base = config["base"]
-    sweep = Path(config["trials_dir"]).parent.name
+    sweep = storage_root(config["trials_dir"]).parent.name
     values = {
         **base, **trial["params"], "name": trial["id"], "storage_path": config["trials_dir"], "resume": True,
         "address": ray.get_runtime_context().gcs_address, "progress": "plain",
@@ -58,23 +60,25 @@ def trial_config(config: dict[str, Any]) -> TrainConfig:
     return TrainConfig.from_dict(values)
 
 
-def group_trackers(sweep_dir: Path) -> None:
+def group_trackers(sweep_dir: RunPath) -> None:
     """W&B groups the trials' runs under the sweep's name; MLflow's local store is the sweep's, one
-    for all its trials (a tracking server the user set is left as it is)."""
+    for all its trials (a tracking server the user set is left as it is; on an object store, where
+    SQLite cannot be, the sweep's checks asked for one)."""
     os.environ.setdefault("WANDB_RUN_GROUP", sweep_dir.name)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{sweep_dir / 'mlflow.db'}")
+    if isinstance(sweep_dir, Path):
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{sweep_dir / 'mlflow.db'}")
 
 
-def outcome_path(trials_dir: str | Path, trial: str) -> Path:
+def outcome_path(trials_dir: RunPath, trial: str) -> RunPath:
     """What the trial's actor last said of its run: started, ended, status and a line (sweep.py reads it)."""
-    return Path(trials_dir) / f"{trial}.json"
+    return trials_dir / f"{trial}.json"
 
 
-def ended_before(trials_dir: str | Path, trial: str) -> str | None:
+def ended_before(trials_dir: RunPath, trial: str) -> str | None:
     """How the trial ended in an earlier life of the sweep, when it did: "finished" (its actor said so),
     or "stopped early" or "failed" (the driver's callback said so). A sweep killed before Tune saved
     that end restores the trial as running; it must be kept as it ended, not run again."""
-    for path, key in ((outcome_path(trials_dir, trial), "status"), (Path(trials_dir).parent / "status.json", trial)):
+    for path, key in ((outcome_path(trials_dir, trial), "status"), (trials_dir.parent / "status.json", trial)):
         try:
             status = json.loads(path.read_text()).get(key)
         except (OSError, ValueError):
@@ -84,6 +88,36 @@ def ended_before(trials_dir: str | Path, trial: str) -> str | None:
     return None
 
 
+class TrialLog:
+    """The trial's log: appended to in place on a filesystem. An object cannot be appended to, so on
+    an object store the lines go to a local file (begun with what an earlier life of the trial
+    wrote), copied up whole at the run's end; the file goes when the actor does."""
+
+    def __init__(self, path: RunPath) -> None:
+        self.path = path
+        if isinstance(path, Path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+            return
+        import atexit
+        import tempfile
+
+        fd, self.local = tempfile.mkstemp(prefix=f"raytrain-{path.name}-")
+        atexit.register(os.unlink, self.local)
+        self.file = open(fd, "w", buffering=1)
+        if path.is_file():
+            self.file.write(path.read_text())
+
+    def keep(self) -> None:
+        """Copy it up (an object store's); a store that fails it costs the log, not the trial's end."""
+        if isinstance(self.path, ObjectPath):
+            self.file.flush()
+            try:
+                self.path.write_text(Path(self.local).read_text())
+            except OSError as err:
+                print(f"the trial's log was not copied to {self.path}: {err}", file=sys.__stderr__)
+
+
 class TrialRun(tune.Trainable):
     """The trial's run on a thread of the actor; each step hands Tune the newest epoch row."""
 
@@ -91,12 +125,11 @@ class TrialRun(tune.Trainable):
         # Tune runs trials in its own directory; the user's --model/--dataset paths are the sweep's.
         os.chdir(config["cwd"])
         sys.path[:0] = [config["cwd"]]
-        self.id, self.trials_dir = config["trial"]["id"], config["trials_dir"]
-        log = Path(self.trials_dir) / f"{self.id}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        sys.stdout = sys.stderr = open(log, "a", buffering=1)  # one trial per actor: its lines, in its log
+        self.id, self.trials_dir = config["trial"]["id"], storage_root(config["trials_dir"])
+        self.log = TrialLog(self.trials_dir / f"{self.id}.log")
+        sys.stdout = sys.stderr = self.log.file  # one trial per actor: its lines, in its log
         self.cfg = trial_config(config)
-        group_trackers(Path(self.trials_dir).parent)
+        group_trackers(self.trials_dir.parent)
         self.code_paths = config["code_paths"]
         self.kept = ended_before(self.trials_dir, self.id)
         self.signals = Signals()
@@ -124,10 +157,14 @@ class TrialRun(tune.Trainable):
         except BaseException as err:  # the trial's failure, said in its one line; the sweep goes on
             self.status, self.line = "failed", one_line(err)
         finally:
-            self.say(ended=time.time())
-            self.rows.put(None)
+            try:
+                self.say(ended=time.time())
+            finally:  # Tune's step waits on it, whatever the store did
+                self.rows.put(None)
 
     def say(self, ended: float | None = None) -> None:
+        if ended is not None:
+            self.log.keep()  # before the outcome: the sweep reads that as the trial's end
         write_json(outcome_path(self.trials_dir, self.id), {
             "trial": self.id, "status": self.status, "line": self.line, "started": self.started, "ended": ended,
             "workers": self.cfg.workers,
@@ -159,7 +196,7 @@ class TrialRun(tune.Trainable):
         """A kept trial's end, for Tune: its last epoch's row, done, marked kept (no line is said again)."""
         from raytrain_ddp.run_files import read_csv
 
-        path = Path(self.trials_dir) / self.id / "metrics.csv"
+        path = self.trials_dir / self.id / "metrics.csv"
         rows = read_csv(path) if path.exists() else []
         last = {k: float(rows[-1][k]) for k in METRICS if rows and rows[-1].get(k) not in (None, "")}
         return {"epoch": int(rows[-1]["epoch"]) if rows else 0, **last, "done": True, "kept": True}

@@ -1,8 +1,10 @@
-"""`raytrain scale`: the table's arithmetic alone, then one real two-size study."""
+"""`raytrain scale`: the table's arithmetic alone, then one real study on an object store."""
 
 from __future__ import annotations
 
 import csv
+import io
+import time
 
 import pytest
 from conftest import TINY, raytrain
@@ -58,15 +60,20 @@ def test_parse_sizes_and_strategies():
 
 
 @pytest.mark.e2e
-def test_scale_study(ray_head, tmp_path):
-    """Both strategies at 2 workers: 2 one-epoch runs, the study's table, plot and run directories.
-    (One size keeps CI short; scaling across sizes is the arithmetic tested above.)"""
-    proc = raytrain("scale", "--workers", "2", "--strategy", "ddp,fsdp", *TINY, "--storage-path", str(tmp_path),
-                    "--name", "study", env=ray_head.env, timeout=600)
+def test_scale_study(ray_head, s3_server, tmp_path, monkeypatch):
+    """Both strategies at 2 workers: 2 one-epoch runs, the study's table, plot and run directories,
+    all on an object store (#52: FSDP's sharded checkpoints there too). (One size keeps CI short;
+    scaling across sizes is the arithmetic tested above.)"""
+    for key, value in s3_server.env.items():  # this process reads the bucket as the driver does
+        monkeypatch.setenv(key, value)
+    from raytrain_ddp.storage.location import storage_root
+
+    root = f"s3://runs/scale-{time.time_ns()}"
+    proc = raytrain("scale", "--workers", "2", "--strategy", "ddp,fsdp", *TINY, "--storage-path", root,
+                    "--name", "study", env={**ray_head.env, **s3_server.env}, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    study = tmp_path / "study"
-    with open(study / "scale.csv") as f:
-        table_rows = list(csv.DictReader(f))
+    study = storage_root(root) / "study"
+    table_rows = list(csv.DictReader(io.StringIO((study / "scale.csv").read_text())))
     assert [(r["strategy"], r["workers"]) for r in table_rows] == [("ddp", "2"), ("fsdp full", "2")]
     assert float(table_rows[0]["throughput_scaling"]) == float(table_rows[1]["throughput_scaling"]) == 1.0
     assert all(float(r["throughput"]) > 0 for r in table_rows)
@@ -74,4 +81,6 @@ def test_scale_study(ray_head, tmp_path):
     assert fsdp < 0.6 * ddp  # half a replica per rank, where DDP holds all of it
     assert (study / "scale.md").read_text().startswith("| strategy | workers | config |")
     assert (study / "scale.png").stat().st_size > 10_000
+    assert list((study / "fsdp-workers-2").glob("checkpoint_*"))  # each rank's shard, uploaded
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
     assert (study / "fsdp-workers-2" / "summary.json").exists()

@@ -10,15 +10,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.config import STRATEGIES, ConfigError, TrainConfig
 from raytrain_ddp.driver.plan import run_lock
 from raytrain_ddp.driver.plan.preflight import resolve_run
 from raytrain_ddp.driver.run import command as driver
-from raytrain_ddp.run_files import read_csv, write_atomic
-from raytrain_ddp.storage.location import local_only
+from raytrain_ddp.run_files import read_csv, write_atomic, write_png
+from raytrain_ddp.storage.location import RunPath, below
 
 COLUMNS = [
     "strategy",
@@ -107,7 +106,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(rows: list[dict[str, Any]], path: RunPath) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes
@@ -132,11 +131,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.legend()
     fig.suptitle(rows[0]["config"])
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_png(path, fig, dpi=120)
 
 
-def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = None, sharding: str | None = None) -> Path:
+def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = None, sharding: str | None = None) -> RunPath:
     """Run each strategy (default cfg's) at each size, then write and print the table; returns the
     study's directory. The strategies take turns at each size, so a machine that slows down over the
     study slows them alike. `sharding` (default cfg's) is the fsdp runs'."""
@@ -144,7 +142,6 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
     if sharding and "fsdp" not in strategies:
         raise ConfigError(f"--sharding {sharding} is for the fsdp runs; add fsdp to --strategy (e.g. ddp,fsdp)")
     dataclasses.replace(cfg, strategy="fsdp", sharding=sharding or cfg.sharding)  # a bad --sharding fails now, not after some runs
-    local_only(cfg.storage_path, "scale")
     cfg, study_dir = resolve_run(cfg)
     run_lock.take(study_dir)  # two studies on one --name would write one table over the other's
     runs = {}
@@ -152,9 +149,10 @@ def scale(cfg: TrainConfig, sizes: list[int], strategies: list[str] | None = Non
         for strategy in strategies:
             run_cfg = dataclasses.replace(cfg, workers=n, strategy=strategy,
                                           sharding=(sharding or cfg.sharding) if strategy == "fsdp" else "full",
-                                          storage_path=str(study_dir), name=f"{strategy}-workers-{n}")
+                                          storage_path=below(cfg.storage_path, study_dir.name),
+                                          name=f"{strategy}-workers-{n}")
             summary = driver.run(run_cfg)
-            runs[strategy, n] = summary, read_csv(Path(summary["run_dir"]) / "metrics.csv")
+            runs[strategy, n] = summary, read_csv(study_dir / run_cfg.name / "metrics.csv")
     ordered = [runs[strategy, n] for strategy in strategies for n in sizes]  # the table: by strategy, then size
     result = table([summary for summary, _ in ordered], [rows for _, rows in ordered])
     out = io.StringIO()
