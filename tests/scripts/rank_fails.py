@@ -13,6 +13,7 @@ import argparse
 import atexit
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,8 @@ parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--fail-step", type=int, default=5)
 parser.add_argument("--abort-at-exit", type=int, nargs="+", default=[])
 args = parser.parse_args()
+ABORT_AFTER_S = 2.0
+finished = False
 
 
 def check_step(step):
@@ -33,7 +36,12 @@ def check_step(step):
 
 
 def abort_in_teardown():
-    # What libstdc++ does when a joinable std::thread (gloo's, NCCL's) is destroyed at exit.
+    # What libstdc++ does when a joinable std::thread (gloo's, NCCL's) is destroyed at exit. After a
+    # clean end, late in the teardown, as torch's comes: at once, rank 0 (which holds the rendezvous
+    # store) could cut a peer's last ring transfer or its destroy_process_group on a loaded machine,
+    # failing the peer too (a flake CI saw once).
+    if finished:
+        time.sleep(ABORT_AFTER_S)
     sys.stderr.write("terminate called without an active exception\n")
     sys.stderr.flush()
     os.abort()
@@ -56,3 +64,4 @@ for step in range(args.steps):
         check_step(step)
 print(f"\ndone after {args.steps} steps", flush=True)
 dist.destroy_process_group()
+finished = True
