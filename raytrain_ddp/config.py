@@ -75,7 +75,8 @@ class TrainConfig:
     PKG.MODULE:CALLABLE, called as CALLABLE(split="train"|"val", data_dir=, image_size=) and returning a
     map-style Dataset of (input tensor, class index)."""
     data_dir: str | None = None
-    """Directory that holds the dataset's files (real datasets only)."""
+    """Directory that holds the dataset's files (real datasets only); for parquet also an object
+    store's URI, s3://BUCKET/PREFIX."""
     image_size: int = 32
     """Side of the square images fed to the model, in pixels."""
     num_classes: int = 10

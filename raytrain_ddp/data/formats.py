@@ -17,6 +17,7 @@ import json
 import pickle
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
 
@@ -24,8 +25,11 @@ import numpy as np
 
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.data.download import DOWNLOADS, download
+from raytrain_ddp.storage.location import first_line
+from raytrain_ddp.storage.object_path import ObjectPath
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import torch
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif")
@@ -166,22 +170,14 @@ class ParquetSamples:
     memory is what --loader ray is for.
     """
 
-    def __init__(self, files: list[Path], channels: int, rows: np.ndarray | None = None, _shared=None):
-        import pyarrow.parquet as pq
-
+    def __init__(self, files: list[Path | ObjectPath], channels: int, rows: np.ndarray | None = None, _shared=None):
         self.files, self.channels = files, channels
         if _shared is None:
-            labels, counts = [], []
-            for f in files:
-                try:
-                    column = pq.read_table(f, columns=["label"]).column("label")
-                except Exception as err:  # ArrowInvalid, OSError, KeyError: all mean "not our shard"
-                    raise ConfigError(
-                        f"cannot read the label column of {f} ({_reason(err)}); rewrite the shards "
-                        "with `raytrain data convert`"
-                    ) from None
-                labels.append(column.to_numpy())
-                counts.append(len(column))
+            # The shards at once: on an object store each costs a few round trips, not a disk read.
+            with ThreadPoolExecutor(READ_THREADS) as pool:
+                columns = list(pool.map(label_column, files))
+            labels = [column.to_numpy() for column in columns]
+            counts = [len(column) for column in columns]
             all_labels = np.concatenate(labels).astype(np.int64) if labels else np.zeros(0, np.int64)
             _shared = {"labels": all_labels, "starts": np.cumsum([0] + counts), "images": None}
         self._shared = _shared
@@ -190,10 +186,10 @@ class ParquetSamples:
 
     def load_images(self) -> ParquetSamples:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         if self._shared["images"] is None:
-            tables = [pq.read_table(f, columns=["image"]) for f in self.files]
+            with ThreadPoolExecutor(READ_THREADS) as pool:
+                tables = list(pool.map(lambda f: read_columns(f, ["image"]), self.files))
             self._shared["images"] = pa.concat_tables(tables).column("image") if tables else None
         return self
 
@@ -208,19 +204,42 @@ class ParquetSamples:
         return self._shared["images"][int(self.rows[index])].as_py()
 
     def source(self, index: int) -> str:
-        import pyarrow.parquet as pq
-
         row = int(self.rows[index])
         k = int(np.searchsorted(self._shared["starts"], row, side="right")) - 1
         row_in_file = row - int(self._shared["starts"][k])
         try:
-            origin = pq.read_table(self.files[k], columns=["path"]).column("path")[row_in_file]
+            origin = read_columns(self.files[k], ["path"]).column("path")[row_in_file]
         except Exception:  # no path column: the shard and row are all we know
             return f"{self.files[k]} row {row_in_file}"
         return f"{self.files[k]} row {row_in_file} (from {origin})"
 
     def select(self, indices: np.ndarray) -> ParquetSamples:
         return ParquetSamples(self.files, self.channels, self.rows[indices], self._shared)
+
+
+READ_THREADS = 8
+"""Shards read at once by a ParquetSamples: pyarrow reads without the GIL, and an object store's
+latency, not its bandwidth, bounds a read of one small column."""
+
+
+def read_columns(shard: Path | ObjectPath, columns: list[str]) -> pa.Table:
+    """Columns of one shard, on disk or on an object store (through its filesystem)."""
+    import pyarrow.parquet as pq
+
+    if isinstance(shard, ObjectPath):
+        return pq.read_table(shard.key, columns=columns, filesystem=shard.fs)
+    return pq.read_table(shard, columns=columns)
+
+
+def label_column(shard: Path | ObjectPath) -> pa.ChunkedArray:
+    try:
+        return read_columns(shard, ["label"]).column("label")
+    except Exception as err:  # ArrowInvalid, OSError, KeyError: all mean "not our shard", but on a store
+        if isinstance(shard, ObjectPath) and isinstance(err, OSError):  # the store's fault (gone, denied)
+            raise ConfigError(f"cannot read {shard} ({first_line(err)}); check that its store serves it") from None
+        raise ConfigError(
+            f"cannot read the label column of {shard} ({_reason(err)}); rewrite the shards with `raytrain data convert`"
+        ) from None
 
 
 # --- MNIST: idx files, torchvision's layout <root>/MNIST/raw/*-ubyte[.gz] ---
@@ -426,14 +445,24 @@ def _images_in(folder: Path, recursive: bool = False) -> list[str]:
 
 # --- Parquet shards written by `raytrain data convert` ---
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path | ObjectPath) -> dict:
     path = root / MANIFEST
-    if not path.is_file():
+    try:
+        there = path.is_file()
+        text = path.read_text() if there else ""
+    except OSError as err:
+        raise ConfigError(f"cannot read {path} ({first_line(err)}); check --data-dir") from None
+    if not there and isinstance(root, ObjectPath):
+        raise ConfigError(
+            f"no {MANIFEST} in {root}; write Parquet shards with `raytrain data convert SRC DST --format ...`, copy DST "
+            "there, or pass the --data-dir that holds them"
+        )
+    if not there:
         raise ConfigError(
             f"no {MANIFEST} in {root}; write Parquet shards with `raytrain data convert SRC {root} --format ...`"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(text)
         if manifest.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}")
         for split in ("train", "val"):
@@ -444,17 +473,19 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-def parquet_files(root: Path, manifest: dict, split: str) -> list[Path]:
+def parquet_files(root: Path | ObjectPath, manifest: dict, split: str) -> list[Path | ObjectPath]:
     files = [root / f for f in manifest["splits"][split]["files"]]
+    # One listing per folder, not a look per shard: on an object store each look is a round trip.
+    there = {str(f) for folder in {f.parent for f in files} if folder.is_dir() for f in folder.iterdir()}
     for f in files:
-        if not f.is_file():
+        if str(f) not in there:
             raise ConfigError(f"{f} is listed in {root / MANIFEST} but missing; run `raytrain data convert` again")
     if not files:
         raise ConfigError(f"{root / MANIFEST} lists no {split} shards")
     return files
 
 
-def read_parquet(root: Path) -> Layout:
+def read_parquet(root: Path | ObjectPath) -> Layout:
     manifest = read_manifest(root)
     channels = int(manifest["channels"])
     train, val = (ParquetSamples(parquet_files(root, manifest, s), channels) for s in ("train", "val"))
@@ -472,7 +503,7 @@ READERS: dict[str, Callable[[Path], Layout]] = {
 """The datasets read from --data-dir."""
 
 
-def read_layout(dataset: str, root: Path, fetch: bool) -> Layout:
+def read_layout(dataset: str, root: Path | ObjectPath, fetch: bool) -> Layout:
     """A built-in dataset's files under `root`; with `fetch` (--download), downloaded first where
     they are not there yet."""
     if fetch and dataset not in DOWNLOADS:

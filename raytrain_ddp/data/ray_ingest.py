@@ -20,6 +20,7 @@ from raytrain_ddp.data.batches import UNREADABLE, Batches, Loaders, SkipCount
 from raytrain_ddp.data.formats import BadSample
 from raytrain_ddp.data.dataset_checks import data_root
 from raytrain_ddp.data.transforms import RECIPES, augmentation, normalization
+from raytrain_ddp.storage.object_path import ObjectPath
 
 if TYPE_CHECKING:
     from torchvision.transforms import v2
@@ -60,11 +61,12 @@ class RayShard:
             raise BadSample(found.group(1)) from err
 
 
-def ray_loaders(cfg: TrainConfig, world_size: int) -> Loaders:
-    """--loader ray on a worker: this rank's splits of the datasets ray_datasets made."""
+def ray_loaders(cfg: TrainConfig, world_size: int, root: Path | ObjectPath | None = None) -> Loaders:
+    """--loader ray on a worker: this rank's splits of the datasets ray_datasets made. `root`:
+    --data-dir as the driver resolved it (dataset_checks.data_root)."""
     import ray.train
 
-    manifest = formats.read_manifest(data_root(cfg))
+    manifest = formats.read_manifest(root or data_root(cfg))
     recipe = RECIPES.get(manifest.get("source"), RECIPES["imagefolder"])
     normalize = normalization(recipe)
     skips = SkipCount()
@@ -119,15 +121,16 @@ def decode_augment(
     return {"image": images, "label": labels}
 
 
-def ray_datasets(cfg: TrainConfig) -> dict | None:
+def ray_datasets(cfg: TrainConfig, root: Path | ObjectPath | None = None) -> dict | None:
     """The Ray Data datasets TorchTrainer splits across workers, for --loader ray; else None.
+    `root`: --data-dir as the preflight resolved it (dataset_checks.data_root).
 
     Runs on the driver after it connected (and cluster.preflight saw CPUs to spare for decoding):
     the datasets are lazy plans, nothing is read yet.
     """
     if cfg.loader != "ray":
         return None
-    root = data_root(cfg).absolute()
+    root = (root or data_root(cfg)).absolute()
     manifest = formats.read_manifest(root)
     return {name: ray_split(cfg, root, manifest, name) for name in ("train", "val")}
 
@@ -143,7 +146,7 @@ def file_shuffle(seed: int) -> Any:
         return ray.data.FileShuffleConfig(seed=seed)
 
 
-def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
+def ray_split(cfg: TrainConfig, root: Path | ObjectPath, manifest: dict, name: str) -> Any:
     """One split as a lazy Ray Dataset: read Parquet -> cap -> decode and augment."""
     import ray.data
 
@@ -153,10 +156,12 @@ def ray_split(cfg: TrainConfig, root: Path, manifest: dict, name: str) -> Any:
     # fsspec's HTTPFileSystem when aiohttp is missing. include_paths names the shard in error
     # messages. The training shards are read in a new order every epoch (Ray Data reseeds the file
     # shuffle per execution), drawn from --seed so that runs repeat.
+    # On an object store: its key with its filesystem (endpoint, credentials), which the read tasks
+    # get pickled; Ray refuses a URI given with a filesystem.
+    where = {"paths": str(root / name)} if isinstance(root, Path) else {"paths": (root / name).key, "filesystem": root.fs}
     shuffle = file_shuffle(cfg.seed) if train else None
     ds = ray.data.read_parquet(
-        str(root / name), columns=["image", "label", "source"], include_paths=True,
-        shuffle=shuffle, num_cpus=READ_CPUS,
+        **where, columns=["image", "label", "source"], include_paths=True, shuffle=shuffle, num_cpus=READ_CPUS,
     )
     # Ray Data packs up to 128 MiB of files into one read task, and would run the decode fused
     # into it: one core for all of CIFAR-10. A different CPU request keeps decoding a separate

@@ -8,6 +8,7 @@ checks in dataset_checks.py read them the same way); transforms.py wraps the sam
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -20,6 +21,7 @@ from raytrain_ddp.data.dataset_checks import data_root
 from raytrain_ddp.data.formats import READERS, Layout, Samples
 from raytrain_ddp.data.splits import split
 from raytrain_ddp.data.transforms import RECIPES, Prepared, transform_for
+from raytrain_ddp.storage.object_path import ObjectPath
 
 SYNTHETIC_SIZES = (4096, 1024)
 """Synthetic train and val sizes when --train-samples / --val-samples are not given."""
@@ -69,13 +71,14 @@ def synthetic(cfg: TrainConfig) -> Data:
     return Data(make(train_size, 0), make(val_size, 1), in_channels=3)
 
 
-def from_files(cfg: TrainConfig) -> Data:
-    """A dataset in --data-dir, read by its format's reader (READERS)."""
-    return prepare(cfg, READERS[cfg.dataset](data_root(cfg)))
+def from_files(cfg: TrainConfig, root: Path | ObjectPath | None = None) -> Data:
+    """A dataset in --data-dir, read by its format's reader (READERS). `root`: --data-dir as the
+    driver resolved it (dataset_checks.data_root), else resolved here."""
+    return prepare(cfg, READERS[cfg.dataset](root or data_root(cfg)))
 
 
-def parquet(cfg: TrainConfig) -> Data:
-    data = from_files(cfg)
+def parquet(cfg: TrainConfig, root: Path | ObjectPath | None = None) -> Data:
+    data = from_files(cfg, root)
     # Load the image bytes now, in this process, so DataLoader workers share them after fork.
     for part in (data.train, data.val):
         part.samples.load_images()
@@ -92,10 +95,12 @@ DATASETS: dict[str, Callable[[TrainConfig], Data]] = {
 }
 
 
-def dataset_builder(name: str, given: Callable[..., Any] | None = None) -> Callable[[TrainConfig], Data]:
-    """The builder for --dataset: a registry name, an import path, or a callable given by the Python API."""
+def dataset_builder(name: str, given: Callable[..., Any] | None = None,
+                    root: Path | ObjectPath | None = None) -> Callable[[TrainConfig], Data]:
+    """The builder for --dataset: a registry name, an import path, or a callable given by the Python
+    API. `root`: a built-in dataset's --data-dir as the driver resolved it (dataset_checks.data_root)."""
     if given is None and not plugins.is_import_path(name):
-        return DATASETS[name]
+        return DATASETS[name] if root is None else functools.partial(DATASETS[name], root=root)
     return functools.partial(user_dataset, name, given or plugins.load(name, "--dataset"))
 
 

@@ -37,11 +37,11 @@ def is_uri(storage_path: str) -> bool:
     return bool(URI.match(storage_path)) and not storage_path.startswith("file://")
 
 
-def storage_root(storage_path: str, keys: bool = True) -> RunPath:
+def storage_root(storage_path: str, keys: bool = True, flag: str = "--storage-path") -> RunPath:
     """--storage-path as a path: local ones made absolute (the ranks do not start in the driver's
     directory), URIs on their store's filesystem. `keys=False`: a filesystem that holds no
     credentials of its own, for one that is pickled into files (Tune's state); it finds them where
-    it is used."""
+    it is used. `flag`: the option its error lines name (--data-dir takes a URI too)."""
     if storage_path.startswith("file://"):
         storage_path = storage_path[len("file://"):]
     if not is_uri(storage_path):
@@ -49,20 +49,21 @@ def storage_root(storage_path: str, keys: bool = True) -> RunPath:
     parts = urlsplit(storage_path)
     key = (parts.netloc + parts.path).strip("/")
     if not parts.netloc:
-        raise ConfigError(f"--storage-path {storage_path} names no bucket; pass {parts.scheme}://BUCKET/PREFIX")
+        raise ConfigError(f"{flag} {storage_path} names no bucket; pass {parts.scheme}://BUCKET/PREFIX")
     if parts.scheme == "s3":
-        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query)), keys=keys), "s3", key)
+        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query)), keys=keys, flag=flag), "s3", key)
     from pyarrow import fs
 
     try:
         filesystem, path = fs.FileSystem.from_uri(storage_path)
     except (ValueError, OSError, ImportError) as err:
-        raise ConfigError(f"--storage-path {storage_path}: {first_line(err)}; pass a local path, or an s3:// "
+        raise ConfigError(f"{flag} {storage_path}: {first_line(err)}; pass a local path, or an s3:// "
                           "or gs:// URI") from None
     return ObjectPath(filesystem, parts.scheme, path)
 
 
-def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = None, keys: bool = True) -> Any:
+def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = None, keys: bool = True,
+                  flag: str = "--storage-path") -> Any:
     """An S3 filesystem for `bucket`, by the URI's query and the environment (the module's doc).
     `answer_s`: a probe's, bounded by one try of that many seconds; `keys=False`: the environment's
     credentials are left to the AWS chain where the filesystem is used, not held in it."""
@@ -71,7 +72,7 @@ def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = N
         from pyarrow.fs import S3FileSystem
     except ImportError:
         raise ConfigError("this pyarrow was built without S3: pip install a pyarrow wheel from PyPI "
-                          "(its wheels have S3), or pass a local --storage-path") from None
+                          f"(its wheels have S3), or pass a local {flag}") from None
     endpoint = query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     options: dict[str, Any] = {}
     if endpoint:
@@ -85,7 +86,7 @@ def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = N
         try:
             region = fs.resolve_s3_region(bucket)
         except (OSError, ValueError) as err:
-            raise ConfigError(f"--storage-path s3://{bucket}: cannot find the bucket's region ({first_line(err)}); "
+            raise ConfigError(f"{flag} s3://{bucket}: cannot find the bucket's region ({first_line(err)}); "
                               "set AWS_REGION, or check the bucket's name") from None
     options["region"] = region
     if keys and os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
@@ -99,7 +100,7 @@ def s3_filesystem(bucket: str, query: dict[str, str], answer_s: float | None = N
     return S3FileSystem(**options, **timeouts)
 
 
-def check_store(root: RunPath, storage_path: str) -> None:
+def check_store(root: RunPath, storage_path: str, flag: str = "--storage-path") -> None:
     """That the store at `root` answers and its bucket is there, within about ANSWER_S: one line
     (ConfigError) naming the fault and its fix where not. Local paths: nothing to do here
     (preflight's check_writable writes a probe)."""
@@ -109,7 +110,7 @@ def check_store(root: RunPath, storage_path: str) -> None:
     probe = root.fs
     if root.scheme == "s3":
         parts = urlsplit(storage_path)
-        probe = s3_filesystem(bucket, dict(parse_qsl(parts.query)), answer_s=ANSWER_S)
+        probe = s3_filesystem(bucket, dict(parse_qsl(parts.query)), answer_s=ANSWER_S, flag=flag)
     from pyarrow.fs import FileType
 
     started = time.monotonic()
@@ -117,7 +118,7 @@ def check_store(root: RunPath, storage_path: str) -> None:
         found = probe.get_file_info(bucket).type
     except OSError as err:
         said = first_line(err)
-        where = f"--storage-path {root}"
+        where = f"{flag} {root}"
         if "Timeout" in said or "timed out" in said.lower():
             raise ConfigError(f"{where}: its store did not answer in {ANSWER_S:.0f} s ({said}); check the endpoint "
                               "(AWS_ENDPOINT_URL_S3, or ?endpoint_override= in the URI)") from None
@@ -127,8 +128,8 @@ def check_store(root: RunPath, storage_path: str) -> None:
         raise ConfigError(f"{where}: cannot reach its store after {time.monotonic() - started:.1f} s ({said}); check "
                           "the endpoint (AWS_ENDPOINT_URL_S3, or ?endpoint_override= in the URI)") from None
     if found == FileType.NotFound:
-        raise ConfigError(f"--storage-path {root}: there is no bucket {bucket!r} at its store; create it, or pass "
-                          "another --storage-path")
+        raise ConfigError(f"{flag} {root}: there is no bucket {bucket!r} at its store; create it, or pass "
+                          f"another {flag}")
 
 
 def ray_storage(root: RunPath) -> dict[str, Any]:

@@ -128,7 +128,7 @@ def sweep(base: TrainConfig, sc: SweepConfig, run_args: list[str]) -> dict[str, 
         session.connect(address, base.verbose)
         code_paths, code_env = user_code(code)
         # Once, before any trial: every trial's actor and worker is of this job, and gets its runtime_env
-        ship_code(address, base.verbose, {**code_env, **actor_env(trials, base.storage_path)})
+        ship_code(address, base.verbose, {**code_env, **actor_env(trials, base)})
         return run_trials(base, sc, trials, sweep_dir, describe(space), run_args, code_paths)
     finally:
         run_lock.release(sweep_dir)
@@ -189,11 +189,14 @@ TRACKER_ENV = ("MLFLOW_", "WANDB_")
 driver has them: a Ray worker gets the environment of the node it runs on, not the driver's."""
 
 
-def actor_env(trials: list[Trial], storage_path: str) -> dict[str, Any]:
+def actor_env(trials: list[Trial], base: TrainConfig) -> dict[str, Any]:
     """The job's runtime_env entry that hands the trials' actors the driver's tracker settings and
-    its object store's (location.store_env: each trial's run resolves the store again); {} when no
-    trial tracks and the store is a filesystem (joining again with a runtime_env costs a second or two)."""
-    env = store_env(storage_path)
+    its object store's (location.store_env: each trial's run resolves the store, and a parquet
+    --data-dir there, again); {} when no trial tracks and nothing is on a store (joining again with a
+    runtime_env costs a second or two)."""
+    env: dict[str, str] = {}
+    for where in {base.storage_path, *(t.cfg.data_dir for t in trials if t.cfg.data_dir)}:
+        env |= store_env(where)
     if any(t.cfg.mlflow or t.cfg.wandb for t in trials):
         env |= {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV)}
     return {"env_vars": env} if env else {}

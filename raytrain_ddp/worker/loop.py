@@ -107,6 +107,7 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
     sink = loop_config["sink"]  # the driver's MetricsSink actor
     run_dir = loop_config.get("run_dir") or Path(cfg.storage_path) / cfg.name  # the rank's own files: --profile's, a benchmark's
     given = loop_config.get("given", {})  # the Python API's model and dataset callables, if any
+    data_root = loop_config.get("data_root")  # --data-dir as the driver resolved it: on a store, with its credentials
 
     # [1] The rank: threads, seed, device, and who runs where.
     ctx = ray.train.get_context()
@@ -128,8 +129,8 @@ def train_rank(loop_config: dict[str, Any], entered: float | None = None) -> Non
         mark(marks, "health", sink, rank)
 
     # [2] Data: each rank gets a disjoint shard (see data.make_loaders).
-    build_data = dataset_builder(cfg.dataset, given.get("dataset"))
-    loaders = make_loaders(cfg, rank, world_size, device.type == "cuda", build_data)
+    build_data = dataset_builder(cfg.dataset, given.get("dataset"), data_root)
+    loaders = make_loaders(cfg, rank, world_size, device.type == "cuda", build_data, data_root)
     mark(marks, "data", sink, rank)
 
     # [3] Model, optimizer, mixed precision.

@@ -22,7 +22,7 @@ from raytrain_ddp import plugins, ray_compat
 from raytrain_ddp.checkpoint.compat import check_resume
 from raytrain_ddp.checkpoint.files import ResumeChoice, read_info, resume_choice, set_aside
 from raytrain_ddp.config import ConfigError, TrainConfig
-from raytrain_ddp.data.dataset_checks import dataset_channels, validate
+from raytrain_ddp.data.dataset_checks import FROM_FILES, data_root, dataset_channels, validate
 from raytrain_ddp.driver.plan import fit, run_lock
 from raytrain_ddp.driver.plan.fit import size
 from raytrain_ddp.driver.plan.model_shapes import ModelShapes, estimate_state_mib, model_shapes
@@ -75,6 +75,10 @@ class RunPlan:
     ray_train: RayTrainConfigs | None = None
     """Ray Train's configs, made from the config laid out on the cluster; None before the cluster's
     part (check_request's plan)."""
+    data_root: RunPath | None = None
+    """A built-in dataset's --data-dir as a path (dataset_checks.data_root): local, or for parquet on
+    an object store with its filesystem (endpoint, credentials), which the ranks are given; None for
+    synthetic data, the user's own dataset, or a command that trains no model of ours."""
 
     @property
     def world(self) -> str:
@@ -146,12 +150,14 @@ def check_request(
     check_kept_there(cfg, run_dir)
     cfg, given = user_parts(cfg, model, dataset)
     check_installed(cfg)
-    shapes, lines, choice = check_parts(cfg, run_dir, given, dry)
+    data = data_root(cfg) if cfg.dataset in FROM_FILES and "dataset" not in given else None
+    shapes, lines, choice = check_parts(cfg, run_dir, given, dry, data)
     for line in lines:
         print(line, file=sys.stderr)
     # where the user's modules came from, for the workers: one sent by value (__main__) has no module to import
     code = {s: plugins.source(s) for s in (cfg.model, cfg.dataset) if plugins.is_import_path(s) and not s.startswith("__main__:")}
-    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice, **where)
+    return RunPlan(cfg, run_dir, given, tuple(lines), shapes, code, cfg.accum_steps(cfg.workers), resume=choice,
+                   data_root=data, **where)
 
 
 def check_kept_there(cfg: TrainConfig, run_dir: RunPath) -> None:
@@ -186,23 +192,24 @@ def user_parts(cfg: TrainConfig, model: Any, dataset: Any) -> tuple[TrainConfig,
 
 
 def check_parts(
-    cfg: TrainConfig, run_dir: RunPath, given: dict[str, Callable[..., Any]], dry: bool,
+    cfg: TrainConfig, run_dir: RunPath, given: dict[str, Callable[..., Any]], dry: bool, data: RunPath | None = None,
 ) -> tuple[ModelShapes, list[str], ResumeChoice | None]:
     """--model's shapes with the channels of the checkpoint it resumes from, else of --dataset (the
     user's own --model is built, which proves that it imports and returns an nn.Module); --dataset
     and its files (unless the Python API gave a callable: the user's to check); and the resume's
     lines, its checkpoint's config and shapes checked against this request (checkpoint/compat.py);
     and which checkpoint it resumes from, the newest whole one (checkpoint/files.py). torch is
-    imported only for what needs it: a model not built before, a dataset's files."""
+    imported only for what needs it: a model not built before, a dataset's files. `data`: --data-dir
+    as data_root resolved it."""
     choice = resume_choice(run_dir, snapshot_ray_version()) if cfg.resume else None
     checkpoint_dir = choice.checkpoint if choice is not None else None
     saved = read_info(checkpoint_dir) if checkpoint_dir is not None else None
-    shapes = model_shapes(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg) or 3,
+    shapes = model_shapes(cfg, given.get("model"), saved["in_channels"] if saved else dataset_channels(cfg, data) or 3,
                           resuming=saved is not None)
     if dry and cfg.download and "dataset" not in given:
         print(f"--dry-run: --download fetches --dataset {cfg.dataset} at start; its files are not checked now", file=sys.stderr)
     elif "dataset" not in given:
-        validate(cfg)
+        validate(cfg, data)
     lines = check_resume(cfg, checkpoint_dir, saved, shapes.state)
     said = choice.line(None) if dry and choice is not None else None  # a real run says it once it moved the snapshot
     return shapes, [said, *lines] if said else lines, choice

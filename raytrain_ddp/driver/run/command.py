@@ -30,6 +30,7 @@ from raytrain_ddp.driver.run.news import RESUME_HINT, RunNews, kept
 from raytrain_ddp.driver.run.progress import Display
 from raytrain_ddp.driver.session.connect import start_private_ray
 from raytrain_ddp.stops import Interrupted, RayLost, Stalled, Stopped
+from raytrain_ddp.storage.location import RunPath
 from raytrain_ddp.storage.object_path import ObjectPath
 
 POLL_S = 0.5
@@ -129,14 +130,15 @@ def train(plan: RunPlan, display: Display, signals: Signals, code_paths: list[st
     sink = MetricsSink.options(scheduling_strategy=on_this_node()).remote()
     trainer = fast(DataParallelTrainer)(
         train_entry,
-        # run_dir: a Path, or an ObjectPath with its store's filesystem (endpoint, credentials) for the ranks' own files
+        # run_dir, data_root: a Path, or an ObjectPath with its store's filesystem (endpoint, credentials): the
+        # ranks start with the raylet's environment, not the driver's
         train_loop_config={"config": cfg.to_dict(), "sink": sink, "given": plan.given, "code_paths": code_paths,
-                           "run_dir": plan.run_dir,
+                           "run_dir": plan.run_dir, "data_root": plan.data_root,
                            "resume_from": resume_from(plan)},
         scaling_config=configs.scaling,
         run_config=configs.run,
         backend_config=configs.backend,
-        **ray_data(cfg),
+        **ray_data(cfg, plan.data_root),
     )
     announce(plan, display)
     news = RunNews(sink, display, plan, trackers, StartupClock(launched, started, plan, RUN_STAGES), on_rows)
@@ -161,14 +163,14 @@ def train(plan: RunPlan, display: Display, signals: Signals, code_paths: list[st
     return summary
 
 
-def ray_data(cfg: TrainConfig) -> dict[str, Any]:
-    """The trainer's datasets and dataset_config for --loader ray; none otherwise, and then
-    ray_ingest (torch) is not imported."""
+def ray_data(cfg: TrainConfig, root: RunPath | None) -> dict[str, Any]:
+    """The trainer's datasets and dataset_config for --loader ray, over `root` (the plan's data_root);
+    none otherwise, and then ray_ingest (torch) is not imported."""
     if cfg.loader != "ray":
         return {}
     from raytrain_ddp.data.ray_ingest import ray_data_config, ray_datasets
 
-    return {"datasets": ray_datasets(cfg), "dataset_config": ray_data_config(cfg)}
+    return {"datasets": ray_datasets(cfg, root), "dataset_config": ray_data_config(cfg)}
 
 
 def resume_from(plan: RunPlan) -> Any:
