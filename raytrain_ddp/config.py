@@ -184,7 +184,7 @@ class TrainConfig:
     # --- run identity and outputs ---
     storage_path: str = "./runs"
     """Where run directories go: a path all nodes share on a multi-node cluster, or an object store's URI
-    (s3://bucket/prefix; `raytrain run`, `submit`, `export`, `verify` and `stack` so far)."""
+    (s3://bucket/prefix)."""
     name: str | None = None
     """Run name, the directory under --storage-path. Default: run-YYYYmmdd-HHMMSS."""
     progress: str = "auto"

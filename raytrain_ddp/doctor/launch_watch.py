@@ -12,7 +12,6 @@ It also keeps <run dir>/workers.json, so `raytrain stack` can find the scripts.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from raytrain_ddp.doctor.diagnosis import is_stack, moving, read_place, training_stack
@@ -21,6 +20,7 @@ from raytrain_ddp.doctor.stacks import dump_stacks, glance
 from raytrain_ddp.doctor.stall_watch import Report, compile_limit, diagnose, restart_count, stall_folder, stall_limit
 from raytrain_ddp.doctor.workers import write_workers
 from raytrain_ddp.stops import Stalled
+from raytrain_ddp.storage.location import RunPath
 
 SCRIPT_SILENCE = "no rank's Python stack changed"
 """What a stalled script did not do: it reports no steps."""
@@ -39,8 +39,8 @@ def between_looks(limit: float) -> float:
 class StackWatch:
     """Polled by the driver core with the hub's news: where the scripts run, and their stacks."""
 
-    def __init__(self, hub: Any, timeout: float | None, run_dir: Path, say: Callable[[str], None], restarts: int = 0) -> None:
-        self.hub, self.run_dir, self.say, self.restarts = hub, Path(run_dir), say, restarts
+    def __init__(self, hub: Any, timeout: float | None, run_dir: RunPath, say: Callable[[str], None], restarts: int = 0) -> None:
+        self.hub, self.run_dir, self.say, self.restarts = hub, run_dir, say, restarts
         self.limit = stall_limit(timeout, [])  # a script has no steps to measure: 120 s by default, None when off
         self.ranks: list[RankProcess] = []
         self.stacks: list[tuple[Any, ...]] = []

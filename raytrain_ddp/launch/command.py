@@ -30,7 +30,7 @@ from raytrain_ddp.launch.printer import Printer, say, tell_end
 from raytrain_ddp.launch.records import LaunchOutcome, describe_exit, exit_status
 from raytrain_ddp.launch.target import LAUNCH_FIELDS, Target
 from raytrain_ddp.stops import Stalled
-from raytrain_ddp.storage.location import local_only
+from raytrain_ddp.storage.location import below
 
 POLL_S = 0.2
 """How often the driver fetches the ranks' output lines and passes on a signal it got."""
@@ -59,7 +59,6 @@ def launch(cfg: TrainConfig, target: Target, show_ranks: str, dry_run: bool = Fa
     the command began, for the start-up stages (default: now)."""
     if stop_grace_s < 0:
         raise ConfigError(f"--stop-grace-s must be 0 or more seconds (got {stop_grace_s})")
-    local_only(cfg.storage_path, "launch")
     shown = parse_ranks(show_ranks, cfg.max_workers or cfg.workers)
     if dry_run:
         checked = preflight.unplaced(preflight.check_request(cfg, trains=False))
@@ -107,7 +106,9 @@ def supervise(plan: RunPlan, target: Target, placement: Any, shown: set[int], si
             "probe": str(target.file.relative_to(target.root)),
             "max_restarts": plan.restarts,
             "run_id": cfg.name,
-            "run_dir": str(plan.run_dir),  # RAYTRAIN_RUN_DIR in the script's environment
+            # RAYTRAIN_RUN_DIR in the script's environment: on an object store its URI as typed, query and
+            # all, which a script reaches from any node (a local path would be each node's own, and lost).
+            "run_dir": below(cfg.storage_path, cfg.name),
             "stop_grace_s": stop_grace_s,
         },
         scaling_config=plan.ray_train.scaling,

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from raytrain_ddp.driver.core.drive import StartupClock
+from raytrain_ddp.launch.logs import RankLogs
 from raytrain_ddp.launch.output import TRACEBACK, mark, settled, unmark
 from raytrain_ddp.launch.records import (
     TEARDOWN_ABORT, AttemptEnded, AttemptStarted, OutputLine, RankExit, StartupMarks, describe_exit,
 )
+from raytrain_ddp.storage.location import RunPath
 
 HOLD_S = 5.0
 """How long a shown rank's traceback is held back from the terminal, waiting for its rank's exit to
@@ -76,9 +77,9 @@ class Printer:
     A shown rank's traceback waits (HOLD_S) for how the attempt ended: the rank that failed first
     gets it shown as the root cause, a rank that failed after it one line, as a knock-on."""
 
-    def __init__(self, hub: Any, log_dir: Path, shown: set[int], clock: StartupClock):
-        self.hub, self.log_dir, self.shown, self.clock = hub, log_dir, shown, clock
-        self.files: dict[int, TextIO] = {}
+    def __init__(self, hub: Any, log_dir: RunPath, shown: set[int], clock: StartupClock):
+        self.hub, self.shown, self.clock = hub, shown, clock
+        self.logs = RankLogs(log_dir, say)
         self.held: dict[int, list[OutputLine]] = {}
         """A shown rank's stderr lines from its last traceback on, by rank."""
         self.held_since: dict[int, float] = {}
@@ -86,12 +87,6 @@ class Printer:
         """The attempts whose end (root cause, knock-ons) was said."""
         # A terminal redraws a `\r` update in place; a file (a Slurm .out) would keep every one.
         self.tty = {"stdout": sys.stdout.isatty(), "stderr": sys.stderr.isatty()}
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def log(self, rank: int) -> TextIO:
-        if rank not in self.files:
-            self.files[rank] = open(self.log_dir / f"rank-{rank}.log", "a", buffering=1, newline="")
-        return self.files[rank]
 
     def drain(self) -> None:
         import ray
@@ -105,7 +100,7 @@ class Printer:
             elif isinstance(event, AttemptEnded):
                 self.attempt_ended(event)
             else:
-                self.log(event.rank).write(event.text + "\n")
+                self.logs[event.rank].write(event.text + "\n")
                 if event.rank in self.held and event.stream == "stderr":  # its traceback goes on
                     self.held[event.rank].append(event)
                 elif event.rank in self.shown and event.stream == "stderr" and unmark(event.text) == TRACEBACK:
@@ -114,6 +109,7 @@ class Printer:
                     self.show(event)
         for rank in [r for r, since in self.held_since.items() if time.monotonic() - since > HOLD_S]:
             self.release(rank)
+        self.logs.keep()  # on an object store, every KEEP_S
 
     def show(self, line: OutputLine) -> None:
         text = line.text if self.tty[line.stream] else settled(line.text)
@@ -141,8 +137,7 @@ class Printer:
         """A new worker group: marked in every log; on the terminal, why the last one ended."""
         for rank in list(self.held):
             self.release(rank)
-        for f in self.files.values():
-            f.write(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
+        self.logs.write_all(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
         if attempt.number == 1:
             return
         failed = attempt.previous
@@ -159,5 +154,4 @@ class Printer:
         self.drain()  # the last lines may have landed after the previous poll
         for rank in list(self.held):
             self.release(rank)
-        for f in self.files.values():
-            f.close()
+        self.logs.close()

@@ -161,15 +161,6 @@ def store_env(storage_path: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(STORE_ENV)}
 
 
-def local_only(storage_path: str, command: str) -> None:
-    """One line for a command that keeps its runs on a filesystem only, given an object store's URI."""
-    if is_uri(storage_path):
-        raise ConfigError(
-            f"`raytrain {command}` keeps its runs on a local or shared filesystem: --storage-path {storage_path} is an "
-            "object store's, which `raytrain run`, `sweep`, `submit`, `export`, `verify` and `stack` take so far; pass a local or shared path"
-        )
-
-
 def first_line(err: BaseException) -> str:
     """An error's first line, cut to a line's length: pyarrow's S3 errors say the key, the operation
     and the cause there."""
