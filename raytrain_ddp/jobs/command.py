@@ -37,7 +37,7 @@ from raytrain_ddp.driver.plan.shipping import SHIP_EXCLUDES
 from raytrain_ddp.driver.session.connect import version_mismatch
 from raytrain_ddp.errors import EXIT_INTERRUPTED
 from raytrain_ddp.launch.target import LAUNCH_FIELDS, find_target
-from raytrain_ddp.storage.location import is_uri
+from raytrain_ddp.storage.location import below, is_uri
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """raytrain_ddp/, the source the job ships (found by path: the driver side never imports the package's face)."""
@@ -249,7 +249,7 @@ def launch_job(argv: list[str], parse_launch: Callable[[list[str]], dict[str, An
 
 
 def run_dir(cfg: TrainConfig) -> str:
-    return f"{cfg.storage_path.rstrip('/')}/{cfg.name}"
+    return below(cfg.storage_path, cfg.name)  # an object store's URI keeps its ?endpoint_override=
 
 
 # ---- the commands ------------------------------------------------------------------------------

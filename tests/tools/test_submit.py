@@ -66,6 +66,12 @@ def test_for_cluster_names_the_run_and_drops_the_gcs_address():
     assert re.fullmatch(r"run-\d{8}-\d{6}", cfg.name)
 
 
+def test_the_run_directory_on_the_cluster_keeps_an_object_stores_endpoint():
+    cfg = jobs.for_cluster(TrainConfig(storage_path="s3://b/runs?endpoint_override=http://h:9000", name="a"))
+    assert jobs.run_dir(cfg) == "s3://b/runs/a?endpoint_override=http://h:9000"
+    assert jobs.run_dir(jobs.for_cluster(TrainConfig(storage_path="/runs/", name="a"))) == "/runs/a"
+
+
 @pytest.mark.parametrize("flag", ["storage_path", "data_dir"])
 def test_relative_paths_are_refused(flag):
     with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} .* is relative"):
