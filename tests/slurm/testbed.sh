@@ -36,6 +36,7 @@ SLURMD_PORT=${SLURM_LAB_SLURMD_PORT:-6818}
 UP_TIMEOUT=${SLURM_LAB_UP_TIMEOUT:-60}       # seconds to wait for all nodes idle
 CRED_EXPIRE=${SLURM_LAB_CRED_EXPIRE:-20}     # step credential lifetime; a requeued job waits this + 1 s
 SLOW_PCT=${SLURM_LAB_SLOW_PCT:-20}           # `slow`: a throttled node's share of one core (at 10 Ray fails to start)
+FAVOUR=${SLURM_LAB_FAVOUR:-8}                # `slow`: the other nodes' CPU weight against the host's other processes, x the default
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SHARE=${SLURM_LAB_SHARE:-$REPO_ROOT${VIRTUAL_ENV:+:$VIRTUAL_ENV}}  # host paths the nodes must see, ':'-separated
 
@@ -250,6 +251,9 @@ wait_idle() {
 # ---- a slow node: a CPU quota on everything in its namespace ----------------------
 # A cgroup per throttled node, under the cpu controller (v1: cpu.cfs_quota_us; v2: cpu.max). Its
 # slurmd and every process running in the node move in; the steps slurmd starts later inherit it.
+# The other nodes share one cgroup of FAVOUR times the default weight: the host's other work (a
+# test suite's other worker) then cannot starve them down to the throttled node's speed, which
+# would leave it nothing to be told apart from (CI saw a healthy node's GEMM at 23% of its own).
 CG_PREFIX=rt-slurm-lab-
 cpu_cgroup_root() {
     if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then echo /sys/fs/cgroup/cpu
@@ -278,11 +282,30 @@ cmd_slow() {
     fi
     for pid in $(ip netns pids "${NS_PREFIX}$node"); do echo "$pid" >"$cg/cgroup.procs" 2>/dev/null || true; done
     log "$node throttled to ${SLOW_PCT}% of one core ($cg)"
+    favour_others "$root" "$node"
+}
+
+favour_others() {
+    local root=$1 slow=$2 cg=$1/${CG_PREFIX}favoured i pid
+    mkdir -p "$cg"
+    if [[ -e $cg/cpu.shares ]]; then echo $((FAVOUR * 1024)) >"$cg/cpu.shares"; else echo $((FAVOUR * 100)) >"$cg/cpu.weight"; fi
+    for ((i = 1; i <= NODES; i++)); do
+        [[ n$i != "$slow" && -e /run/netns/${NS_PREFIX}n$i ]] || continue
+        for pid in $(ip netns pids "${NS_PREFIX}n$i"); do echo "$pid" >"$cg/cgroup.procs" 2>/dev/null || true; done
+    done
+}
+
+unfavour_others() {
+    local root=$1 cg=$1/${CG_PREFIX}favoured pid
+    [[ -d $cg ]] || return 0
+    while read -r pid; do echo "$pid" >"$root/cgroup.procs" 2>/dev/null || true; done <"$cg/cgroup.procs"
+    rmdir "$cg" 2>/dev/null || true  # a process exiting meanwhile: left in place, at a weight that harms nothing
 }
 
 cmd_heal() {
     local node=$1 root cg pid
     root=$(cpu_cgroup_root) || return 0
+    unfavour_others "$root"
     cg=$root/$CG_PREFIX$node
     [[ -d $cg ]] || return 0
     # Unthrottled first: a process that cannot be moved out (exiting meanwhile) keeps running at full speed.
