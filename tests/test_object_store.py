@@ -4,7 +4,6 @@ each; and the lease that keeps a second driver off a run there."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -155,32 +154,6 @@ def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tm
     assert "--mlflow keeps its sqlite store in the run directory" in refusal(
         raytrain(*run, "--storage-path", "s3://runs/x", "--mlflow", env={**env, "MLFLOW_TRACKING_URI": ""}, cwd=tmp_path))
     assert list(tmp_path.iterdir()) == []  # no `s3:` folder, as a URI taken for a local path made
-
-
-def test_a_lease_read_back_after_the_join_finds_a_driver_that_wrote_over_it_and_keeps_off_its_lease(store_env,
-                                                                                                  monkeypatch):
-    """A run's driver reads its lease back once Ray is joined (preflight's confirm). A driver that
-    wrote within the same CONFIRM_S holds it then; this one's renewals, not yet begun, never wrote
-    over it, and its refusal names that driver."""
-    monkeypatch.setattr(run_lock, "CONFIRM_S", 0.5)
-    monkeypatch.setattr(run_lock, "RENEW_S", 0.1)
-    root = storage_root(fresh_prefix("confirm"))
-    ours, raced = root / "ours", root / "raced"
-    for run_dir in (ours, raced):
-        run_lock.take(run_dir, confirm_later=True)
-    other = run_lock.Holder("elsewhere", 4242, time.time(), "raytrain run --name raced", renewed=time.time())
-    (raced / run_lock.LOCK).write_text(json.dumps(dataclasses.asdict(other)))  # a second driver, meanwhile
-    time.sleep(0.4)  # renewals would have come by now (RENEW_S)
-    run_lock.confirm(ours)
-    with pytest.raises(ConfigError, match="in use by another driver: pid 4242 on elsewhere"):
-        run_lock.confirm(raced)
-    time.sleep(0.3)
-    held = json.loads((ours / run_lock.LOCK).read_text())
-    assert held["pid"] == os.getpid() and held["renewed"] > held["since"]  # renewed once confirmed
-    for run_dir in (ours, raced):
-        run_lock.release(run_dir)
-    assert not (ours / run_lock.LOCK).exists()
-    assert json.loads((raced / run_lock.LOCK).read_text())["pid"] == 4242  # its lease, untouched
 
 
 AUTH_SERVER = """

@@ -103,9 +103,7 @@ def plan(cfg: TrainConfig, model: Any = None, dataset: Any = None, *, trains: bo
     the dict the start-up marks go into as each stage ends (the start's live line reads it)."""
     checked = check_request(cfg, model, dataset, trains=trains)
     made = run_lock.made_by(checked.run_dir)
-    # Before anything is moved, started or said: a live driver's name is refused alone. A lease's
-    # read-back waits for the join, which writes nothing (fit_to_cluster)
-    run_lock.take(checked.run_dir, confirm_later=True)
+    run_lock.take(checked.run_dir)  # before anything is moved, started or said: a live driver's name is refused alone
     try:
         return fit_to_cluster(checked, trains, stop_check, say, {} if marks is None else marks)
     except BaseException:
@@ -120,7 +118,6 @@ def fit_to_cluster(checked: RunPlan, trains: bool, stop_check: Callable[[], None
     check_writable(checked.run_dir)
     marks["checks"] = time.time()
     connect(checked.address, checked.cfg.verbose)
-    run_lock.confirm(checked.run_dir)
     marks["connect"] = time.time()
     # Once joined: a driver that Ray refuses has its one line to say, and nothing else.
     if without := ray_compat.going_without() if trains else ray_compat.going_without(("fast_start",)):

@@ -12,9 +12,7 @@ cannot keep it. On NFS, Linux turns flock into a byte-range lock that the server
 on different nodes see each other's; docs/troubleshooting.md says what that costs after a crash.
 
 The lease (an object store's run): the driver writes its Holder, waits CONFIRM_S, and reads it back;
-only a driver that reads its own holds the run, and a thread renews it from then on, every RENEW_S.
-A run's driver reads it back once it has joined Ray (confirm()), before it moves or starts anything:
-the wait then costs the start nothing, as the join takes longer. A lease not
+only a driver that reads its own holds the run, and a thread renews it every RENEW_S. A lease not
 renewed for LEASE_S is a dead driver's, and is taken over; so is one of the same Slurm job (a
 requeue: Slurm ended the old driver first) or of a process that is gone from this host. Two
 drivers that write within the same CONFIRM_S both read the later one's: one holds it, the other
@@ -82,17 +80,14 @@ class Holder:
         )
 
 
-def take(run_dir: RunPath, confirm_later: bool = False) -> None:
+def take(run_dir: RunPath) -> None:
     """Lock `run_dir` (made if missing) for this process until it exits or release() is called;
-    a ConfigError naming the holder when another live driver has it. `confirm_later`: on an object
-    store, the lease's read-back is left to confirm(), for work that writes nothing to go on meanwhile."""
+    a ConfigError naming the holder when another live driver has it."""
     if isinstance(run_dir, ObjectPath):
         if run_dir in held:
             held[run_dir].write()  # held: again, where a move aside (--no-resume) took it along
-            return
-        held[run_dir] = lease = Lease.claim(run_dir)
-        if not confirm_later:
-            lease.confirm()
+        else:
+            held[run_dir] = Lease.take(run_dir)
         return
     if run_dir in held and same_file(held[run_dir], run_dir / LOCK):
         return
@@ -120,14 +115,6 @@ def take(run_dir: RunPath, confirm_later: bool = False) -> None:
     held[run_dir] = fd
 
 
-def confirm(run_dir: RunPath) -> None:
-    """A lease taken with confirm_later: read back, CONFIRM_S after it was written (waiting for what
-    is left of that); a ConfigError naming the driver that took it meanwhile. Nothing to do for a lock."""
-    lock = held.get(run_dir)
-    if isinstance(lock, Lease):
-        lock.confirm()
-
-
 def release(run_dir: RunPath) -> None:
     """Let another driver have `run_dir` (the Python API's run() ended); a no-op when not held."""
     lock = held.pop(run_dir, None)
@@ -142,13 +129,12 @@ class Lease:
 
     def __init__(self, path: ObjectPath, me: Holder) -> None:
         self.path, self.me = path, me
-        self.confirmed, self.done = threading.Event(), threading.Event()
+        self.done = threading.Event()
         self.thread = threading.Thread(target=self.renew, name="raytrain-lease", daemon=True)
         self.thread.start()
 
     @classmethod
-    def claim(cls, run_dir: ObjectPath) -> Lease:
-        """Write this driver's Holder where no live one is; not yet read back (confirm)."""
+    def take(cls, run_dir: ObjectPath) -> Lease:
         path = run_dir / LOCK
         if (other := read_holder(path)) is not None and live(other):
             raise ConfigError(other.line(run_dir))
@@ -160,22 +146,14 @@ class Lease:
         except OSError as err:
             raise ConfigError(f"cannot write run directory {run_dir} ({first_line(err)}); "
                               "pass a writable --storage-path") from None
-        return cls(path, me)
-
-    def confirm(self) -> None:
-        if self.confirmed.is_set():
-            return
-        time.sleep(max(0.0, self.me.since + CONFIRM_S - time.time()))
-        back = read_holder(self.path)
-        if back != self.me:
-            run_dir = self.path.parent
+        time.sleep(CONFIRM_S)
+        back = read_holder(path)
+        if back != me:
             raise ConfigError(back.line(run_dir) if back is not None else
                               f"run {run_dir.name!r}: another driver took its lease as this one did; pass a new --name")
-        self.confirmed.set()
+        return cls(path, me)
 
     def renew(self) -> None:
-        """From the confirm on: renewing before it would write over a driver that took the lease meanwhile."""
-        self.confirmed.wait()
         while not self.done.wait(RENEW_S):
             try:
                 self.write()
@@ -190,7 +168,6 @@ class Lease:
         """Stop renewing, and give the lease up; where the store does not answer, it lapses by itself
         (LEASE_S), and the command's own error, not this one, is what the user reads."""
         self.done.set()
-        self.confirmed.set()  # a renewer still waiting for the confirm wakes, and sees it done
         self.thread.join()
         try:
             if read_holder(self.path) == self.me:
