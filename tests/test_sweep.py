@@ -108,9 +108,13 @@ def test_a_killed_sweep_on_an_object_store_resumes_without_rerunning_a_finished_
         assert driver.poll() is None, driver.communicate()
         assert time.monotonic() < deadline, "t00 never finished, or t01 never checkpointed"
         time.sleep(0.5)
+    while not (trials / "t01.log").is_file():  # copied up while it runs (KEEP_S), from its first step
+        assert time.monotonic() < deadline + 30, "t01's log never reached the store while it ran"
+        time.sleep(0.5)
     driver.send_signal(signal.SIGKILL)
     driver.communicate(timeout=30)
     first_start = json.loads((trials / "t00.json").read_text())["started"]
+    first_life = (trials / "t01.log").read_text()
 
     pickled = (sweep_dir / "tune" / "tuner.pkl").read_bytes()
     assert b"raytrain_ddp.driver.sweep_lines" in pickled and b"raytrain_ddp.sweep.lines" not in pickled
@@ -120,7 +124,8 @@ def test_a_killed_sweep_on_an_object_store_resumes_without_rerunning_a_finished_
     assert "resuming sweep killed" in again.stderr, again.stderr
     assert "trial t00" not in again.stderr and "trial t01 resumed from its checkpoint" in again.stderr, again.stderr
     assert json.loads((trials / "t00.json").read_text())["started"] == first_start
-    assert "resumed from the checkpoint" in (trials / "t01.log").read_text()
+    log = (trials / "t01.log").read_text()
+    assert log.startswith(first_life) and "resumed from the checkpoint" in log[len(first_life):], log
     table = {row["trial"]: row for row in csv.DictReader(io.StringIO((sweep_dir / "results.csv").read_text()))}
     assert [table[t]["status"] for t in ("t00", "t01")] == ["finished", "finished"], table
     epochs = [row["epoch"] for row in csv.DictReader(io.StringIO((trials / "t01" / "metrics.csv").read_text()))]

@@ -36,6 +36,8 @@ HEARTBEAT_S = 5.0
 stop (the sweep's Ctrl-C) waits at most this long before the run is asked to checkpoint and end."""
 LEFTOVER_WAIT_S = 60.0
 """How long a trial waits for room that the trial before it is still giving back."""
+KEEP_S = 15.0
+"""How often a running trial's log on an object store is copied up: what a killed sweep can lose of it."""
 METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput")
 """The row's figures Tune gets (a scheduler's metric is one of them); the rest stays in metrics.csv."""
 
@@ -91,7 +93,8 @@ def ended_before(trials_dir: RunPath, trial: str) -> str | None:
 class TrialLog:
     """The trial's log: appended to in place on a filesystem. An object cannot be appended to, so on
     an object store the lines go to a local file (begun with what an earlier life of the trial
-    wrote), copied up whole at the run's end; the file goes when the actor does."""
+    wrote), copied up whole every KEEP_S while the trial runs and at its end; the file goes when the
+    actor does."""
 
     def __init__(self, path: RunPath) -> None:
         self.path = path
@@ -102,15 +105,18 @@ class TrialLog:
         import atexit
         import tempfile
 
+        self.kept_at: float | None = None
         fd, self.local = tempfile.mkstemp(prefix=f"raytrain-{path.name}-")
         atexit.register(os.unlink, self.local)
         self.file = open(fd, "w", buffering=1)
         if path.is_file():
             self.file.write(path.read_text())
 
-    def keep(self) -> None:
-        """Copy it up (an object store's); a store that fails it costs the log, not the trial's end."""
-        if isinstance(self.path, ObjectPath):
+    def keep(self, every_s: float = 0.0) -> None:
+        """Copy it up (an object store's), if `every_s` passed since the last copy; a store that fails
+        it costs the log's copy, not the trial."""
+        if isinstance(self.path, ObjectPath) and (self.kept_at is None or time.monotonic() - self.kept_at >= every_s):
+            self.kept_at = time.monotonic()
             self.file.flush()
             try:
                 self.path.write_text(Path(self.local).read_text())
@@ -175,6 +181,7 @@ class TrialRun(tune.Trainable):
         epoch); {} when none came within HEARTBEAT_S; the last one again, done, when the run ended."""
         if self.kept is not None:
             return self.as_it_ended()
+        self.log.keep(every_s=KEEP_S)  # Tune steps at least every HEARTBEAT_S
         if not self.pending:
             try:
                 rows = self.rows.get(timeout=HEARTBEAT_S)
