@@ -88,6 +88,14 @@ def s3_server() -> S3:
         server.stop()
 
 
+@pytest.fixture
+def store_env(s3_server: S3, monkeypatch: pytest.MonkeyPatch) -> S3:
+    """This process pointed at the test's S3 server, as a user's shell would be."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
+
+
 HELD_AFTER = """
 import json, sys, time
 import ray
@@ -168,6 +176,14 @@ def raytrain(*args: str, env: dict[str, str] | None = None, timeout: float = 300
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def refusal(proc: subprocess.CompletedProcess) -> str:
+    """The one line a refused command printed, after checking it is one, with exit status 2."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
 
 
 RAY_LOG_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+:")

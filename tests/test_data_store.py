@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, raytrain
+from conftest import free_port, raytrain, refusal
 
 from raytrain_ddp.config import ConfigError, TrainConfig
 from raytrain_ddp.data.convert import convert
@@ -24,14 +24,6 @@ from raytrain_ddp.storage.object_path import ObjectPath
 
 CLASSES, TRAIN, VAL = 4, 8, 2
 """The tiny dataset: 4 classes of 8 train and 2 val images each."""
-
-
-@pytest.fixture
-def store_env(s3_server, monkeypatch):
-    """This process pointed at the test's S3 server, as a user's shell would be."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
 
 
 def shards_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
@@ -105,14 +97,6 @@ def test_a_data_dir_the_store_cannot_serve_is_refused_in_one_line(store_env, mon
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens
     with pytest.raises(ConfigError, match=r"--data-dir s3://runs/x: cannot reach its store .*check the endpoint"):
         data_root(parquet_cfg("s3://runs/x"))
-
-
-def refusal(proc) -> str:
-    """The one line a refused command printed, after checking it is one, with exit status 2."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    return lines[0]
 
 
 def test_the_cli_refuses_a_dataset_the_store_cannot_hold_and_a_prefix_with_no_shards(s3_server, tmp_path):

@@ -25,14 +25,6 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture
-def store_env(s3_server, monkeypatch):
-    """This process pointed at the test's S3 server, as a user's shell would be."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
-
-
 @pytest.mark.e2e
 def test_a_launch_keeps_its_run_on_the_store_and_nothing_in_the_working_directory(ray_head, store_env, tmp_path):
     script, work = tmp_path / "script" / "train.py", tmp_path / "work"

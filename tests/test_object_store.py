@@ -16,21 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, free_port, raytrain
+from conftest import TINY, free_port, raytrain, refusal
 
 from raytrain_ddp.checkpoint.files import RESUME_INFO, STATE, rank_file, resume_choice
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.driver.plan import run_lock
 from raytrain_ddp.storage.location import ANSWER_S, check_store, storage_root
 from raytrain_ddp.storage.object_path import ObjectPath
-
-
-@pytest.fixture
-def store_env(s3_server, monkeypatch):
-    """This process pointed at the test's S3 server, as a user's shell would be."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
 
 
 def fresh_prefix(name: str) -> str:
@@ -137,14 +129,6 @@ def test_a_second_driver_is_refused_while_the_lease_is_held_and_takes_it_once_it
         assert not (run_dir / run_lock.LOCK).exists()
     finally:
         holder.kill()
-
-
-def refusal(proc: subprocess.CompletedProcess) -> str:
-    """The one line a refused command printed, after checking it is one, with exit status 2."""
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    return lines[0]
 
 
 def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tmp_path):
