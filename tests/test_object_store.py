@@ -137,6 +137,11 @@ def test_bad_storage_is_refused_in_one_line_before_anything_starts(s3_server, tm
     assert "there is no bucket 'nobucket'" in refusal(raytrain(*run, "--storage-path", "s3://nobucket/x", env=env, cwd=tmp_path))
     assert "--mlflow keeps its sqlite store in the run directory" in refusal(
         raytrain(*run, "--storage-path", "s3://runs/x", "--mlflow", env={**env, "MLFLOW_TRACKING_URI": ""}, cwd=tmp_path))
+    # A typo in the URI's query would send the run to AWS itself; keys in it would be printed and saved
+    said = refusal(raytrain(*run, "--storage-path", "s3://runs/x?endpoint=http://127.0.0.1:9", env=env, cwd=tmp_path))
+    assert "option 'endpoint' is not one of endpoint_override, region, scheme" in said, said
+    said = refusal(raytrain(*run, "--storage-path", "s3://AKIAEXAMPLE:SeCrEt@runs/x", env=env, cwd=tmp_path))
+    assert "s3://KEYS@runs/x: keys in the URI" in said and "SeCrEt" not in said and "AKIAEXAMPLE" not in said, said
     assert list(tmp_path.iterdir()) == []  # no `s3:` folder, as a URI taken for a local path made
 
 

@@ -31,6 +31,8 @@ ANSWER_S = 5.0
 """The edge check's bound: a store that has not answered in this many seconds is named in one line."""
 CONNECT_S, REQUEST_S = 10.0, 60.0
 """The working filesystem's timeouts: to connect, and for a request that moves no byte."""
+S3_OPTIONS = ("endpoint_override", "region", "scheme")
+"""What an s3:// URI's query may set; anything else is a typo that would send the run elsewhere."""
 
 
 def is_uri(storage_path: str) -> bool:
@@ -47,11 +49,20 @@ def storage_root(storage_path: str, keys: bool = True, flag: str = "--storage-pa
     if not is_uri(storage_path):
         return Path(storage_path).expanduser().absolute()
     parts = urlsplit(storage_path)
+    if "@" in parts.netloc:  # said without the keys: the line is printed, and may be logged
+        shown = parts._replace(netloc="KEYS@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+        raise ConfigError(f"{flag} {shown}: keys in the URI would be printed and saved with the run; set "
+                          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or use ~/.aws) and drop them from the URI")
     key = (parts.netloc + parts.path).strip("/")
     if not parts.netloc:
         raise ConfigError(f"{flag} {storage_path} names no bucket; pass {parts.scheme}://BUCKET/PREFIX")
     if parts.scheme == "s3":
-        return ObjectPath(s3_filesystem(parts.netloc, dict(parse_qsl(parts.query)), keys=keys, flag=flag), "s3", key)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(query) - set(S3_OPTIONS))
+        if unknown:
+            raise ConfigError(f"{flag} {storage_path}: the URI's option {unknown[0]!r} is not one of "
+                              f"{', '.join(S3_OPTIONS)}; fix its name, or drop it")
+        return ObjectPath(s3_filesystem(parts.netloc, query, keys=keys, flag=flag), "s3", key)
     from pyarrow import fs
 
     try:
