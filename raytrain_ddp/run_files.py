@@ -4,17 +4,15 @@ directory is a local Path or an object store's ObjectPath (storage/): an upload 
 
 from __future__ import annotations
 
-import atexit
 import csv
 import io
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from raytrain_ddp.storage.object_path import ObjectPath
+from raytrain_ddp.storage.staged import StagedDir
 
 CSV_COLUMNS = [
     "epoch",
@@ -99,22 +97,20 @@ def tensorboard_writer(run_dir: Path | ObjectPath) -> Any:
 
 class StagedEvents:
     """TensorBoard's event files for a run on an object store. A SummaryWriter appends to a local
-    file, which an object cannot be; so it writes into a temporary directory, and each flush copies
-    its files up whole (a few KiB an epoch). A resumed run's writer starts a file of its own, beside
-    the earlier ones, as on disk. The directory goes when the driver exits."""
+    file, which an object cannot be; so it writes into a staged directory, and each flush (at each
+    epoch's row) copies its files up whole, a few KiB an epoch. A resumed run's writer starts a file
+    of its own, beside the earlier ones, as on disk."""
 
     def __init__(self, writer: Any, remote: ObjectPath) -> None:
-        self.local = Path(tempfile.mkdtemp(prefix="raytrain-tensorboard-"))
-        atexit.register(shutil.rmtree, self.local, ignore_errors=True)
-        self.writer, self.remote = writer(log_dir=str(self.local)), remote
+        self.staged = StagedDir(remote)
+        self.writer = writer(log_dir=str(self.staged.local))
 
     def add_scalar(self, *args: Any, **kwargs: Any) -> None:
         self.writer.add_scalar(*args, **kwargs)
 
     def flush(self) -> None:
         self.writer.flush()
-        for path in self.local.iterdir():
-            (self.remote / path.name).write_bytes(path.read_bytes())
+        self.staged.keep(every_s=0)
 
 
 def read_csv(path: Path | ObjectPath) -> list[dict[str, str]]:

@@ -1,17 +1,14 @@
 """`raytrain launch --storage-path s3://...`: the run's files on a real S3 server (moto's server
-mode), none in the working directory; and the staged rank logs' copies (launch/logs.py)."""
+mode), none in the working directory."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 from conftest import raytrain
 
-from raytrain_ddp.launch import logs
-from raytrain_ddp.launch.logs import RankLogs
 from raytrain_ddp.storage.location import storage_root
 
 SCRIPT = """
@@ -43,30 +40,3 @@ def test_a_launch_keeps_its_run_on_the_store_and_nothing_in_the_working_director
     summary = json.loads((run / "summary.json").read_text())
     assert summary["exit_codes"] == [0, 0] and summary["world_size"] == 2
     assert list(work.iterdir()) == []  # no logs/, no `s3:` folder, as a URI taken for a local path would make
-
-
-def test_staged_logs_are_copied_up_every_keep_s_and_at_the_end(store_env, monkeypatch):
-    """What a killed driver keeps: the lines up to the last copy, KEEP_S apart; a relaunch of the same
-    name appends to what is there, as on disk; the local copies go at the end."""
-    monkeypatch.setattr(logs, "KEEP_S", 0.5)
-    remote = storage_root(f"s3://runs/logs-{time.time_ns()}") / "t" / "logs"
-    said: list[str] = []
-    ranks = RankLogs(remote, said.append)
-    local = ranks.local
-    ranks[0].write("first\n")
-    ranks.keep()  # within KEEP_S of the start: not yet
-    assert not (remote / "rank-0.log").exists()
-    time.sleep(0.6)
-    ranks.keep()
-    assert (remote / "rank-0.log").read_text() == "first\n"
-    ranks[0].write("second\n")
-    ranks[1].write("other\n")
-    ranks.close()
-    assert (remote / "rank-0.log").read_text() == "first\nsecond\n" and (remote / "rank-1.log").read_text() == "other\n"
-    assert not os.path.exists(local) and said == []
-
-    again = RankLogs(remote, said.append)
-    again.write_all("never seen: no log is open yet\n")
-    again[0].write("relaunched\n")
-    again.close()
-    assert (remote / "rank-0.log").read_text() == "first\nsecond\nrelaunched\n"

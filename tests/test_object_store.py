@@ -22,7 +22,9 @@ from raytrain_ddp.checkpoint.files import RESUME_INFO, STATE, rank_file, resume_
 from raytrain_ddp.config import ConfigError
 from raytrain_ddp.driver.plan import run_lock
 from raytrain_ddp.storage.location import ANSWER_S, check_store, storage_root
+from raytrain_ddp.storage import staged
 from raytrain_ddp.storage.object_path import ObjectPath
+from raytrain_ddp.storage.staged import StagedDir
 
 
 def fresh_prefix(name: str) -> str:
@@ -66,6 +68,38 @@ def test_the_resume_takes_the_newest_whole_checkpoint_from_the_store(store_env):
     assert choice.checkpoint == run / "checkpoint_2026-11-29_01-00-00.000001"
     [(skipped, why)] = choice.skipped
     assert skipped == "checkpoint_2026-11-29_02-00-00.000001" and STATE in why, why
+
+
+def test_staged_files_are_copied_up_every_keep_s_and_at_the_end(store_env, monkeypatch):
+    """What a killed process keeps of a growing file (launch's rank logs, a trial's log): the lines up
+    to the last copy, KEEP_S apart; a relaunch appends to what is there, as on disk; a store that
+    refuses costs the copy, said once, and the local copies stay, named."""
+    monkeypatch.setattr(staged, "KEEP_S", 0.5)
+    remote = storage_root(fresh_prefix("staged")) / "t" / "logs"
+    said: list[str] = []
+    logs = StagedDir(remote, said.append)
+    logs.open("rank-0.log").write("first\n")
+    assert logs.keep() and not (remote / "rank-0.log").exists()  # within KEEP_S of the start: not yet
+    time.sleep(0.6)
+    logs.keep()
+    assert (remote / "rank-0.log").read_text() == "first\n"
+    logs.open("rank-0.log").write("second\n")
+    logs.open("rank-1.log").write("other\n")
+    logs.close()
+    assert (remote / "rank-0.log").read_text() == "first\nsecond\n" and (remote / "rank-1.log").read_text() == "other\n"
+    assert not logs.local.exists() and said == []
+
+    again = StagedDir(remote, said.append)
+    again.open("rank-0.log").write("relaunched\n")
+    again.close()
+    assert (remote / "rank-0.log").read_text() == "first\nsecond\nrelaunched\n"
+
+    gone = StagedDir(storage_root("s3://nobucket/t") / "logs", said.append)
+    gone.open("rank-0.log").write("kept here\n")
+    assert not gone.keep(every_s=0) and not gone.keep(every_s=0)
+    gone.close()
+    assert (gone.local / "rank-0.log").read_text() == "kept here\n"
+    assert len(said) == 2 and said[0].startswith("s3://nobucket/t/logs was not copied up (") and str(gone.local) in said[1]
 
 
 def test_the_endpoint_comes_from_the_uri_or_the_environment(s3_server, monkeypatch):

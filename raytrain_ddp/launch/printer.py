@@ -9,12 +9,12 @@ import time
 from typing import Any
 
 from raytrain_ddp.driver.core.drive import StartupClock
-from raytrain_ddp.launch.logs import RankLogs
 from raytrain_ddp.launch.output import TRACEBACK, mark, settled, unmark
 from raytrain_ddp.launch.records import (
     TEARDOWN_ABORT, AttemptEnded, AttemptStarted, OutputLine, RankExit, StartupMarks, describe_exit,
 )
 from raytrain_ddp.storage.location import RunPath
+from raytrain_ddp.storage.staged import StagedDir
 
 HOLD_S = 5.0
 """How long a shown rank's traceback is held back from the terminal, waiting for its rank's exit to
@@ -79,7 +79,8 @@ class Printer:
 
     def __init__(self, hub: Any, log_dir: RunPath, shown: set[int], clock: StartupClock):
         self.hub, self.shown, self.clock = hub, shown, clock
-        self.logs = RankLogs(log_dir, say)
+        self.logs = StagedDir(log_dir, say)
+        """Every rank's whole output, logs/rank-N.log (copied up every KEEP_S on an object store)."""
         self.held: dict[int, list[OutputLine]] = {}
         """A shown rank's stderr lines from its last traceback on, by rank."""
         self.held_since: dict[int, float] = {}
@@ -100,7 +101,7 @@ class Printer:
             elif isinstance(event, AttemptEnded):
                 self.attempt_ended(event)
             else:
-                self.logs[event.rank].write(event.text + "\n")
+                self.logs.open(f"rank-{event.rank}.log").write(event.text + "\n")
                 if event.rank in self.held and event.stream == "stderr":  # its traceback goes on
                     self.held[event.rank].append(event)
                 elif event.rank in self.shown and event.stream == "stderr" and unmark(event.text) == TRACEBACK:
@@ -109,7 +110,7 @@ class Printer:
                     self.show(event)
         for rank in [r for r, since in self.held_since.items() if time.monotonic() - since > HOLD_S]:
             self.release(rank)
-        self.logs.keep()  # on an object store, every KEEP_S
+        self.logs.keep()
 
     def show(self, line: OutputLine) -> None:
         text = line.text if self.tty[line.stream] else settled(line.text)
@@ -137,7 +138,8 @@ class Printer:
         """A new worker group: marked in every log; on the terminal, why the last one ended."""
         for rank in list(self.held):
             self.release(rank)
-        self.logs.write_all(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
+        for log in self.logs.files.values():  # the ranks that wrote so far; a rank's first line opens its log
+            log.write(f"--- attempt {attempt.number}, world size {attempt.world_size} ---\n")
         if attempt.number == 1:
             return
         failed = attempt.previous

@@ -29,15 +29,13 @@ from raytrain_ddp.errors import one_line
 from raytrain_ddp.run_files import write_json
 from raytrain_ddp.stops import Interrupted, Stopped
 from raytrain_ddp.storage.location import RunPath, storage_root
-from raytrain_ddp.storage.object_path import ObjectPath
+from raytrain_ddp.storage.staged import StagedDir
 
 HEARTBEAT_S = 5.0
 """The longest a step waits for an epoch's row: Tune can stop a trial only between steps, so a
 stop (the sweep's Ctrl-C) waits at most this long before the run is asked to checkpoint and end."""
 LEFTOVER_WAIT_S = 60.0
 """How long a trial waits for room that the trial before it is still giving back."""
-KEEP_S = 15.0
-"""How often a running trial's log on an object store is copied up: what a killed sweep can lose of it."""
 METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "throughput")
 """The row's figures Tune gets (a scheduler's metric is one of them); the rest stays in metrics.csv."""
 
@@ -90,40 +88,6 @@ def ended_before(trials_dir: RunPath, trial: str) -> str | None:
     return None
 
 
-class TrialLog:
-    """The trial's log: appended to in place on a filesystem. An object cannot be appended to, so on
-    an object store the lines go to a local file (begun with what an earlier life of the trial
-    wrote), copied up whole every KEEP_S while the trial runs and at its end; the file goes when the
-    actor does."""
-
-    def __init__(self, path: RunPath) -> None:
-        self.path = path
-        if isinstance(path, Path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1)
-            return
-        import atexit
-        import tempfile
-
-        self.kept_at: float | None = None
-        fd, self.local = tempfile.mkstemp(prefix=f"raytrain-{path.name}-")
-        atexit.register(os.unlink, self.local)
-        self.file = open(fd, "w", buffering=1)
-        if path.is_file():
-            self.file.write(path.read_text())
-
-    def keep(self, every_s: float = 0.0) -> None:
-        """Copy it up (an object store's), if `every_s` passed since the last copy; a store that fails
-        it costs the log's copy, not the trial."""
-        if isinstance(self.path, ObjectPath) and (self.kept_at is None or time.monotonic() - self.kept_at >= every_s):
-            self.kept_at = time.monotonic()
-            self.file.flush()
-            try:
-                self.path.write_text(Path(self.local).read_text())
-            except OSError as err:
-                print(f"the trial's log was not copied to {self.path}: {err}", file=sys.__stderr__)
-
-
 class TrialRun(tune.Trainable):
     """The trial's run on a thread of the actor; each step hands Tune the newest epoch row."""
 
@@ -132,8 +96,8 @@ class TrialRun(tune.Trainable):
         os.chdir(config["cwd"])
         sys.path[:0] = [config["cwd"]]
         self.id, self.trials_dir = config["trial"]["id"], storage_root(config["trials_dir"])
-        self.log = TrialLog(self.trials_dir / f"{self.id}.log")
-        sys.stdout = sys.stderr = self.log.file  # one trial per actor: its lines, in its log
+        self.log = StagedDir(self.trials_dir)  # on an object store: the log, copied up every KEEP_S and at the end
+        sys.stdout = sys.stderr = self.log.open(f"{self.id}.log")  # one trial per actor: its lines, in its log
         self.cfg = trial_config(config)
         group_trackers(self.trials_dir.parent)
         self.code_paths = config["code_paths"]
@@ -170,7 +134,7 @@ class TrialRun(tune.Trainable):
 
     def say(self, ended: float | None = None) -> None:
         if ended is not None:
-            self.log.keep()  # before the outcome: the sweep reads that as the trial's end
+            self.log.keep(every_s=0)  # before the outcome: the sweep reads that as the trial's end
         write_json(outcome_path(self.trials_dir, self.id), {
             "trial": self.id, "status": self.status, "line": self.line, "started": self.started, "ended": ended,
             "workers": self.cfg.workers,
@@ -181,7 +145,7 @@ class TrialRun(tune.Trainable):
         epoch); {} when none came within HEARTBEAT_S; the last one again, done, when the run ended."""
         if self.kept is not None:
             return self.as_it_ended()
-        self.log.keep(every_s=KEEP_S)  # Tune steps at least every HEARTBEAT_S
+        self.log.keep()  # Tune steps at least every HEARTBEAT_S
         if not self.pending:
             try:
                 rows = self.rows.get(timeout=HEARTBEAT_S)

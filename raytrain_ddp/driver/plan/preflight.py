@@ -163,7 +163,7 @@ def check_request(
 def check_kept_there(cfg: TrainConfig, run_dir: RunPath) -> None:
     """What a run on an object store cannot keep there yet, refused in one line before anything
     starts: each of these keeps a local directory of its own in the run directory. (TensorBoard's
-    events and --profile's traces are written locally and copied up: run_files.StagedEvents,
+    events and --profile's traces are written locally and copied up: storage/staged.py,
     worker/measure/profiling.py.)"""
     if isinstance(run_dir, Path):
         return
