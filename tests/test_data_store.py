@@ -26,11 +26,9 @@ CLASSES, TRAIN, VAL = 4, 8, 2
 """The tiny dataset: 4 classes of 8 train and 2 val images each."""
 
 
-def shards_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
-    """A tiny image folder, converted by our converter, copied to a fresh prefix of the bucket; its
-    URI. This process is left pointed at the store, as a user's shell would be."""
+def image_folder(tmp_path: Path) -> Path:
+    """A tiny image folder: CLASSES classes of TRAIN train and VAL val PNGs of 8 px."""
     from PIL import Image
-    from pyarrow.fs import copy_files
 
     rng = np.random.default_rng(0)
     for split, n in (("train", TRAIN), ("val", VAL)):
@@ -42,13 +40,17 @@ def shards_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: di
                 out = io.BytesIO()
                 Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
                 (folder / f"{i}.png").write_bytes(out.getvalue())
-    # Small shards: a few files per split, as a real dataset has many.
-    convert(tmp_path / "src", tmp_path / "pq", "imagefolder", shard_mib=0.001, group_mib=0.001, progress=False)
+    return tmp_path / "src"
+
+
+def shards_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    """The tiny image folder, converted by our converter straight into a fresh prefix of the bucket;
+    its URI. This process is left pointed at the store, as a user's shell would be."""
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     uri = f"s3://runs/data-{time.time_ns()}"
-    root = storage_root(uri)
-    copy_files(str(tmp_path / "pq"), root.key, destination_filesystem=root.fs)
+    # Small shards: a few files per split, as a real dataset has many.
+    convert(image_folder(tmp_path), storage_root(uri), "imagefolder", shard_mib=0.001, group_mib=0.001, progress=False)
     return uri
 
 
@@ -89,8 +91,8 @@ def test_a_data_dir_the_store_cannot_serve_is_refused_in_one_line(store_env, mon
     with pytest.raises(ConfigError, match=r"there is no bucket 'nobucket' at its store; create it, or pass another --data-dir"):
         data_root(parquet_cfg("s3://nobucket/data"))
     empty = parquet_cfg(f"s3://runs/nothing-{time.time_ns()}")
-    with pytest.raises(ConfigError, match=r"no manifest.json in s3://runs/nothing-\d+; write Parquet shards with "
-                                          r"`raytrain data convert SRC DST --format \.\.\.`, copy DST there"):
+    with pytest.raises(ConfigError, match=r"no manifest.json in s3://runs/nothing-\d+; write Parquet shards there "
+                                          r"with `raytrain data convert SRC s3://runs/nothing-\d+ --format \.\.\.`"):
         validate(empty, data_root(empty))
     with pytest.raises(ConfigError, match=r"--download fetches into a local directory, not --data-dir s3://runs/x"):
         data_root(TrainConfig(dataset="cifar10", data_dir="s3://runs/x", download=True))
@@ -103,9 +105,31 @@ def test_the_cli_refuses_a_dataset_the_store_cannot_hold_and_a_prefix_with_no_sh
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **s3_server.env}
     run = ["run", "--dry-run", "--storage-path", str(tmp_path / "runs")]
     said = refusal(raytrain(*run, "--dataset", "cifar10", "--data-dir", "s3://runs/cifar", env=env, cwd=tmp_path))
-    assert "only --dataset parquet reads from an object store" in said and "--format cifar10" in said, said
+    assert "only --dataset parquet reads from an object store" in said and "convert SRC s3://runs/cifar --format cifar10" in said, said
     said = refusal(raytrain(*run, "--dataset", "parquet", "--data-dir", "s3://runs/nothing", env=env, cwd=tmp_path))
     assert "no manifest.json in s3://runs/nothing" in said, said
+
+
+def test_the_command_converts_into_the_store_and_keeps_a_finished_conversion(store_env, tmp_path):
+    """`raytrain data convert SRC s3://...`: the shards and manifest in the bucket, the run's line to
+    train on them; a finished conversion there is kept unless --overwrite; a bucket that is not there
+    is named in one line before any image is decoded."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    src, uri = image_folder(tmp_path), f"s3://runs/convert-{time.time_ns()}"
+    command = ["data", "convert", str(src), uri, "--format", "imagefolder", "--no-progress"]
+    done = raytrain(*command, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {CLASSES * TRAIN} train + {CLASSES * VAL} val images in 2 shards to {uri}" in done.stdout, done.stdout
+    assert f"raytrain run --dataset parquet --data-dir {uri} --loader ray --num-classes {CLASSES}" in done.stdout
+    assert "--overwrite" in refusal(raytrain(*command, env=env, cwd=tmp_path))
+    again = raytrain(*command, "--overwrite", "--seed", "1", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    root = storage_root(uri)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["seed"] == 1 and [p.name for p in (root / "train").iterdir()] == ["part-00000.parquet"]
+    said = refusal(raytrain("data", "convert", str(src), "s3://nobucket/x", "--format", "imagefolder", env=env, cwd=tmp_path))
+    assert said.startswith("error: DST s3://nobucket/x: there is no bucket 'nobucket'"), said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing written here
 
 
 @pytest.mark.e2e

@@ -8,6 +8,10 @@ named, not halfway through training.
 
     raytrain data convert ~/data ~/data/cifar10-parquet --format cifar10
     raytrain run --dataset parquet --data-dir ~/data/cifar10-parquet --loader ray
+
+DST may be on an object store (`s3://bucket/cifar10`), for clusters whose nodes share no
+filesystem: each shard is streamed up as it is written, and the manifest, an object put whole, is
+still written last.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raytrain_ddp.config import ConfigError
+from raytrain_ddp.storage.location import RunPath
+from raytrain_ddp.storage.object_path import ObjectPath
 
 if TYPE_CHECKING:
     from raytrain_ddp.data.formats import Samples
@@ -33,7 +39,7 @@ MIB = 1 << 20
 
 def convert(
     src: Path,
-    dst: Path,
+    dst: RunPath,
     fmt: str,
     *,
     val_fraction: float = 0.1,
@@ -57,7 +63,7 @@ def convert(
         raise ConfigError(f"--val-fraction must be between 0 and 1 (got {val_fraction})")
     if shard_mib <= 0 or group_mib <= 0 or group_mib > shard_mib:
         raise ConfigError(f"need 0 < --group-mib <= --shard-mib (got {group_mib} and {shard_mib})")
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    src, dst = Path(src).expanduser(), dst.expanduser()
     if not src.is_dir() and not download:
         raise ConfigError(f"SRC {src} is not a directory; give the dataset's directory (as --data-dir names it for run)")
     if dst.exists() and not dst.is_dir():
@@ -99,14 +105,18 @@ def convert(
         "splits": splits,
         "seed": seed,
     }
-    # Written last: a manifest means the conversion finished.
-    tmp = dst / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, dst / MANIFEST)
+    # Written last: a manifest means the conversion finished (an object is put whole; a file is renamed into place).
+    text = json.dumps(manifest, indent=2) + "\n"
+    if isinstance(dst, ObjectPath):
+        (dst / MANIFEST).write_text(text)
+    else:
+        tmp = dst / f".{MANIFEST}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, dst / MANIFEST)
     return manifest
 
 
-def clear(dst: Path, overwrite: bool) -> None:
+def clear(dst: RunPath, overwrite: bool) -> None:
     """Make dst ready: refuse a finished conversion (its manifest) or folders with files that are not
     our shards unless --overwrite; an unfinished one of ours (a decode error stopped it) is redone
     without asking, as its error line tells the user to rerun."""
@@ -116,19 +126,22 @@ def clear(dst: Path, overwrite: bool) -> None:
         if not overwrite and not unfinished:
             raise ConfigError(f"{dst} already holds converted data; pass --overwrite or choose another DST")
         for p in ours:
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            if isinstance(p, ObjectPath) and p.is_dir():
+                p.fs.delete_dir(p.key)
+            else:
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     for split in ("train", "val"):
         (dst / split).mkdir(parents=True, exist_ok=True)
 
 
-def holds_only_shards(split: Path) -> bool:
+def holds_only_shards(split: RunPath) -> bool:
     """A split folder that is missing, or holds nothing but shards this module writes."""
     return not split.exists() or (split.is_dir() and all(f.name.startswith("part-") and f.suffix == ".parquet"
                                                          for f in split.iterdir()))
 
 
 def write_split(
-    samples: Samples, dst: Path, name: str, channels: int, num_classes: int, sides: list[int], *,
+    samples: Samples, dst: RunPath, name: str, channels: int, num_classes: int, sides: list[int], *,
     seed: int, shard_bytes: int, group_bytes: int, skip_bad: bool, advance,
 ) -> dict[str, Any]:
     """Decode-check every sample and write them, shuffled, into size-bounded shards and row groups."""
@@ -152,8 +165,10 @@ def write_split(
             return
         if writer is None:
             files.append(f"{name}/part-{len(files):05d}.parquet")
+            path = dst / files[-1]
             writer = pq.ParquetWriter(
-                dst / files[-1], schema,
+                path.key if isinstance(path, ObjectPath) else path, schema,
+                filesystem=path.fs if isinstance(path, ObjectPath) else None,
                 compression={"image": "NONE", "label": "SNAPPY", "source": "SNAPPY"},  # images are compressed already
                 use_dictionary=["label"], write_statistics=["label"],
             )

@@ -73,8 +73,8 @@ def data_root(cfg: TrainConfig) -> Path | ObjectPath:
         # the other formats are trees of small files, read by local paths.
         raise ConfigError(
             f"--dataset {cfg.dataset} reads a local or shared directory, not --data-dir {cfg.data_dir}: only --dataset "
-            f"parquet reads from an object store; write its shards with `raytrain data convert SRC DST --format "
-            f"{cfg.dataset}`, copy DST to the store, and pass --dataset parquet"
+            f"parquet reads from an object store; write its shards there with `raytrain data convert SRC "
+            f"{cfg.data_dir} --format {cfg.dataset}`, and pass --dataset parquet"
         )
     root = storage_root(cfg.data_dir, flag="--data-dir")
     check_store(root, cfg.data_dir, flag="--data-dir")

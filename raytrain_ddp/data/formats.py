@@ -454,8 +454,8 @@ def read_manifest(root: Path | ObjectPath) -> dict:
         raise ConfigError(f"cannot read {path} ({first_line(err)}); check --data-dir") from None
     if not there and isinstance(root, ObjectPath):
         raise ConfigError(
-            f"no {MANIFEST} in {root}; write Parquet shards with `raytrain data convert SRC DST --format ...`, copy DST "
-            "there, or pass the --data-dir that holds them"
+            f"no {MANIFEST} in {root}; write Parquet shards there with `raytrain data convert SRC {root} --format ...`, "
+            "or pass the --data-dir that holds them"
         )
     if not there:
         raise ConfigError(
