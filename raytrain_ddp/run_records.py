@@ -94,7 +94,8 @@ class RunState:
     ranks: tuple[RankProcess, ...] = ()
     steps_per_epoch: int | None = None
     phase: str | None = None
-    """None in training steps; "first step", "validation", "checkpoint" otherwise."""
+    """None in training steps; "first step", "validation", "checkpoint" otherwise, and "finished" once
+    the ranks left their loop (Ray Train then uploads the last checkpoint)."""
     resumed_at: tuple[int, int, int] | None = None
     resizes: tuple[Resize, ...] = ()
     startup: dict[str, float] | None = None

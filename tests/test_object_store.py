@@ -79,9 +79,15 @@ def test_staged_files_are_copied_up_every_keep_s_and_at_the_end(store_env, monke
     said: list[str] = []
     logs = StagedDir(remote, said.append)
     logs.open("rank-0.log").write("first\n")
-    assert logs.keep() and not (remote / "rank-0.log").exists()  # within KEEP_S of the start: not yet
-    time.sleep(0.6)
     logs.keep()
+    time.sleep(0.2)
+    assert not (remote / "rank-0.log").exists()  # within KEEP_S of the start: not yet
+    time.sleep(0.4)
+    logs.keep()  # copied behind the caller
+    deadline = time.monotonic() + 10
+    while not (remote / "rank-0.log").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     assert (remote / "rank-0.log").read_text() == "first\n"
     logs.open("rank-0.log").write("second\n")
     logs.open("rank-1.log").write("other\n")
@@ -96,7 +102,13 @@ def test_staged_files_are_copied_up_every_keep_s_and_at_the_end(store_env, monke
 
     gone = StagedDir(storage_root("s3://nobucket/t") / "logs", said.append)
     gone.open("rank-0.log").write("kept here\n")
-    assert not gone.keep(every_s=0) and not gone.keep(every_s=0)
+    gone.keep(every_s=0)  # behind the caller: its failure is seen at a later keep
+    deadline = time.monotonic() + 30
+    while gone.behind.quiet()[1] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    gone.keep(every_s=0)
+    gone.keep(every_s=0)
     gone.close()
     assert (gone.local / "rank-0.log").read_text() == "kept here\n"
     assert len(said) == 2 and said[0].startswith("s3://nobucket/t/logs was not copied up (") and str(gone.local) in said[1]
@@ -297,3 +309,80 @@ def test_a_ranks_profile_trace_goes_to_the_store(store_env, tmp_path):
     assert trace.stat().st_size > 0 and not local.exists()
     [line] = lines
     assert line.endswith(f"per step -> {run_dir / 'profile'}"), line
+
+
+SILENT_PROXY = """
+import asyncio, signal, sys
+silent = False
+async def pipe(reader, writer):
+    while data := await reader.read(65536):
+        while silent:  # a store that stops answering: the connection stays open, nothing comes back
+            await asyncio.sleep(3600)
+        writer.write(data)
+        await writer.drain()
+async def serve(reader, writer):
+    while silent:
+        await asyncio.sleep(3600)
+    store = await asyncio.open_connection("127.0.0.1", int(sys.argv[1]))
+    await asyncio.gather(pipe(reader, store[1]), pipe(store[0], writer), return_exceptions=True)
+def hush():
+    global silent
+    silent = True
+async def main():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, hush)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_store_that_stops_answering_holds_back_the_files_not_the_run(ray_head, s3_server, tmp_path):
+    """A store that goes silent (a request then waits 60 s, tried 3 times): the epochs' lines go on,
+    the driver says within about a minute that the store takes none of the run's files, and the
+    ranks' end, waiting on Ray Train's upload of the last checkpoint, is said as that, not as a
+    slow step."""
+    proxy = subprocess.Popen([sys.executable, "-c", SILENT_PROXY, s3_server.endpoint.rsplit(":", 1)[1]],
+                             stdout=subprocess.PIPE, text=True)
+    run = None
+    try:
+        port = int(proxy.stdout.readline())
+        env = {**ray_head.env, **s3_server.env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}
+        run = subprocess.Popen([sys.executable, "-m", "raytrain_ddp", "run", "--workers", "2", "--epochs", "8",
+                                "--train-samples", "1024", "--val-samples", "64", "--batch-size", "32", "--data-workers",
+                                "0", "--progress", "plain", "--storage-path", f"s3://runs/silent-{time.time_ns()}",
+                                "--name", "s"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cwd=tmp_path)
+        said: list[tuple[float, str]] = []
+        for line in run.stdout:
+            said.append((time.monotonic(), line.strip()))
+            if line.startswith("start-up "):
+                proxy.send_signal(signal.SIGUSR1)
+                hushed = time.monotonic()
+            if line.startswith("the ranks finished training"):
+                break
+        else:
+            pytest.fail("the run ended before its ranks' end was said:\n" + "\n".join(text for _, text in said))
+        run.send_signal(signal.SIGINT)  # twice: at once, whatever the store
+        time.sleep(1)
+        run.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        rest, _ = run.communicate(timeout=120)
+        ended_after = time.monotonic() - second
+    finally:
+        proxy.kill()
+        if run is not None:
+            run.kill()
+            run.communicate()
+    after = [(at - hushed, text) for at, text in said if at > hushed]
+    lines = "\n".join(f"{at:5.1f} s  {text}" for at, text in after)
+    epochs = [at for at, text in after if text.startswith("epoch ") and " train loss " in text]
+    gaps = [b - a for a, b in zip([0.0, *epochs], epochs)]
+    assert len(epochs) == 8 and max(gaps) < 30, lines  # shown as they end, not held a request's 60 s (or 3) each
+    [(warned, warning)] = [(at, text) for at, text in after if text.startswith("warning: the object store has taken none")]
+    assert 30 <= warned < 60 and "(no answer yet); training goes on" in warning, lines
+    assert not any(text.startswith("slow, not stuck") for _, text in after), lines
+    assert run.returncode == 130 and ended_after < 10, (ended_after, rest)
+    assert rest.strip().splitlines()[-1].startswith("stopped: stopped at once by a second Ctrl-C"), rest

@@ -134,7 +134,7 @@ class TrialRun(tune.Trainable):
 
     def say(self, ended: float | None = None) -> None:
         if ended is not None:
-            self.log.keep(every_s=0)  # before the outcome: the sweep reads that as the trial's end
+            self.log.sync()  # before the outcome: the sweep reads that as the trial's end
         write_json(outcome_path(self.trials_dir, self.id), {
             "trial": self.id, "status": self.status, "line": self.line, "started": self.started, "ended": ended,
             "workers": self.cfg.workers,

@@ -88,6 +88,8 @@ def train_loop(loop_config: dict[str, Any], entered: float | None = None) -> Non
         # The same on every retry: the driver ends the run at once, where Ray Train would retry it.
         ray.get(loop_config["sink"].config_error.remote(str(error)))
         raise error from None
+    if ray.train.get_context().get_world_rank() == 0:  # what is left is Ray Train's upload of the last checkpoint: no stall
+        loop_config["sink"].phase.remote("finished")
 
 
 def unused_parameters(err: RuntimeError, model: str) -> ConfigError | None:

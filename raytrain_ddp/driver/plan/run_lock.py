@@ -49,6 +49,8 @@ RENEW_S = 10.0
 """How often the live driver renews its lease."""
 CONFIRM_S = 1.0
 """How long a driver waits, after writing its lease, before it reads it back to see that it holds it."""
+END_S = 2.0
+"""How long a driver's end waits to give its lease up; past that, the lease lapses by itself (LEASE_S)."""
 
 held: dict[RunPath, Any] = {}
 """This process's locks: run directory -> the open file that holds its lock (a Lease on an object
@@ -165,9 +167,15 @@ class Lease:
         self.path.write_text(json.dumps(asdict(self.me)))
 
     def end(self) -> None:
-        """Stop renewing, and give the lease up; where the store does not answer, it lapses by itself
-        (LEASE_S), and the command's own error, not this one, is what the user reads."""
+        """Stop renewing, and give the lease up, waiting at most END_S: where the store does not answer
+        (a request waits up to 60 s, tried 3 times), it lapses by itself (LEASE_S), and the command's own
+        error, not this one, is what the user reads."""
         self.done.set()
+        ending = threading.Thread(target=self.give_up, name="raytrain-lease-end", daemon=True)
+        ending.start()
+        ending.join(END_S)
+
+    def give_up(self) -> None:
         self.thread.join()
         try:
             if read_holder(self.path) == self.me:

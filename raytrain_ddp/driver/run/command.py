@@ -153,6 +153,7 @@ def train(plan: RunPlan, display: Display, signals: Signals, code_paths: list[st
             found = [(host, f"a stall's culprit: {stalled}") for host in stall_hosts(culprits, where)]
             raise blame(plan.run_dir, stalled, found, where) from None
         finally:
+            news.close()  # the run's files, whole, before the summary and whatever ends the run
             display.close()
         if error is not None:
             where = news.state.hosts
@@ -209,7 +210,11 @@ def ask_to_stop(news: RunNews, display: Display, plan: RunPlan, name: str, befor
         )
     label = "Ctrl-C" if name == "SIGINT" else name
     again = "; Ctrl-C again stops at once, without it" if name == "SIGINT" else ""
-    display.print(f"got {label}: checkpointing at the next agreed step, then stopping{again}")
+    if news.state.phase == "finished":  # nothing left to stop but the wait for the last checkpoint
+        display.print(f"got {label}: the ranks finished training; the run ends once Ray Train has saved its last "
+                      f"checkpoint{again}")
+    else:
+        display.print(f"got {label}: checkpointing at the next agreed step, then stopping{again}")
     news.stop_asked(name)
     news.sink.request_stop.remote()
 

@@ -4,6 +4,7 @@ health check's verdict, the blame of a failure, and the grace of a stop."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -21,9 +22,13 @@ from raytrain_ddp.driver.run.progress import Display
 from raytrain_ddp.run_files import tensorboard_writer, write_csv, write_parquet
 from raytrain_ddp.run_records import RunState
 from raytrain_ddp.stops import Interrupted, RankConfigError, Stopped, UnhealthyNode
+from raytrain_ddp.storage.behind import WriteBehind
 from raytrain_ddp.storage.location import RunPath, first_line
 from raytrain_ddp.storage.object_path import ObjectPath
 
+STORE_QUIET_S = 30.0
+"""How long an object store may take none of the run's files before the driver says so: a write that
+waits longer than a blip, well inside the minute a user should wait to hear why."""
 RESUME_HINT = "run the same command again (same --storage-path and --name {name}) to resume"
 
 
@@ -79,8 +84,10 @@ class RunNews:
         """What rank 0 said by the last poll."""
         self.written = RunState()
         """What the run's files hold: the state last written down whole (write_down)."""
-        self.unwritten: str | None = None
-        """Why the run's files could not be written to their object store, once said; None while they can."""
+        self.behind = WriteBehind("raytrain-run-files") if isinstance(plan.run_dir, ObjectPath) else None
+        """On an object store: the thread the run's files are written on."""
+        self.store_quiet = False
+        """Whether the store was said to take none of the run's files, and has not taken them since."""
         self.stall = StallWatch(sink, plan.cfg.stall_timeout, plan.run_dir, display.print, plan.restarts)
         self.stalled: BaseException | None = None
         self.blamed = 0
@@ -91,6 +98,9 @@ class RunNews:
         """Whether the ranks were said to share their cores (so no straggler is named): said once."""
         self.profiles_shown: dict[int, str] = {}
         """Each rank's --profile line as last shown (profile_lines)."""
+        self.finished_at: float | None = None
+        """When the ranks were first seen out of their loop (monotonic); None while they train."""
+        self.told_finished = False
         self.name, self.grace, self.health = plan.cfg.name, plan.cfg.stop_grace_s, plan.cfg.health
         self.stopping: str | None = None
         """The signal of the first stop asked for (SIGTERM, SIGUSR1, SIGINT), None before one."""
@@ -112,7 +122,7 @@ class RunNews:
         if state.config_error:  # a rank's, which every retry would raise again
             raise RankConfigError(state.config_error)
         was, self.state = self.state, state
-        self.write_down(state)
+        self.write_down(state, was)
         for line in self.lines(state, was):
             self.display.print(line)
         self.display.update(state)
@@ -122,34 +132,64 @@ class RunNews:
             self.stalled = err
             raise
 
-    def write_down(self, state: RunState) -> None:
-        """The run's files, where they changed since last written: its rows (metrics.csv and .parquet,
-        TensorBoard, the trackers, a sweep's trial), workers.json and rank_times.csv. An object store
-        that does not answer is said once, and the files are written again at the next poll: the
-        ranks train on, and their checkpoints' uploads are Ray's to retry."""
-        try:
-            self.write_changes(state, self.written)
-        except OSError as err:
-            if not isinstance(self.run_dir, ObjectPath):
-                raise
-            if self.unwritten is None:
-                self.unwritten = first_line(err)
-                self.display.print(f"warning: cannot write the run's files to {self.run_dir} ({self.unwritten}); "
-                                   "training goes on, and they are written again at the next poll")
+    def write_down(self, state: RunState, was: RunState) -> None:
+        """The new epoch rows to the trackers (and a sweep's trial), then the run's files. On an object
+        store the files are written behind the poll (storage/behind.py), so a store that stops
+        answering holds back the files, never the run's lines, its stall watch or a Ctrl-C; one that
+        has taken none of them for STORE_QUIET_S is said once, and again when it takes them."""
+        fresh = [row for row in state.rows if row not in was.rows]  # a redone epoch's row is fresh again
+        if fresh:
+            self.trackers.log_rows(fresh)
+            if self.on_rows is not None:
+                self.on_rows(list(state.rows))
+        if self.behind is None:
+            self.write_files(state)
             return
-        if self.unwritten is not None:
+        self.behind.offer(functools.partial(self.write_files, state))
+        quiet, error = self.behind.quiet()
+        if error is not None and not isinstance(error, OSError):
+            raise error  # ours, not the store's
+        if quiet >= STORE_QUIET_S and not self.store_quiet:
+            self.store_quiet = True
+            why = first_line(error) if error is not None else "no answer yet"
+            self.display.print(f"warning: the object store has taken none of the run's files for {quiet:.0f} s "
+                               f"({why}); training goes on, and they are written to {self.run_dir} once it answers")
+        elif quiet == 0 and self.store_quiet:
+            self.store_quiet = False
             self.display.print(f"the run's files are written to {self.run_dir} again")
-            self.unwritten = None
-        self.written = state
 
-    def write_changes(self, state: RunState, was: RunState) -> None:
+    def write_files(self, state: RunState) -> None:
+        """The run's files where they changed since last written: metrics.csv and .parquet, TensorBoard,
+        workers.json, rank_times.csv."""
+        was = self.written
         if state.rows != was.rows:
-            self.new_rows(list(state.rows), list(was.rows))
+            write_csv(self.run_dir / "metrics.csv", list(state.rows))
+            write_parquet(self.run_dir / "metrics.parquet", list(state.rows))
+            if self.tensorboard is not None:
+                for row in [row for row in state.rows if row not in was.rows]:
+                    for key, value in row.items():
+                        if isinstance(value, (int, float)) and key != "epoch":
+                            self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
+                self.tensorboard.flush()
         if state.ranks and state.ranks != was.ranks:
             # Which pid on which host is which rank: for the user, `raytrain stack` (and tests that kill one).
             write_workers(self.run_dir, list(state.ranks))
         if state.rank_parts and state.rank_parts != was.rank_parts:
             write_rank_times(self.run_dir, state.rank_parts, state.hosts)
+        self.written = state
+
+    def close(self) -> None:
+        """The run's files as the last poll left them, whole, before its summary. On an object store that
+        has taken none of them for STORE_QUIET_S the driver does not wait (a second Ctrl-C ends it at
+        once): that is said, and the summary's own write then ends the run on the store's line."""
+        if self.behind is None:
+            return
+        try:
+            if not self.behind.close(give_up_s=STORE_QUIET_S):
+                self.display.print(f"warning: the run's files at {self.run_dir} are not brought up to date: the "
+                                   f"object store has not answered for {STORE_QUIET_S:.0f} s")
+        except OSError as err:
+            self.display.print(f"warning: cannot write the run's files to {self.run_dir} ({first_line(err)})")
 
     def judge(self, state: RunState) -> None:
         """Whether the run may go on: raises to end it (UnhealthyNode, Stalled, Stopped, Interrupted)."""
@@ -202,20 +242,6 @@ class RunNews:
         message = f"{late}. {kept(self.run_dir, self.name)}"
         raise Interrupted(message, at_once=True) if self.stopping == "SIGINT" else Stopped(message, at_once=True)
 
-    def new_rows(self, rows: list[dict[str, Any]], was: list[dict[str, Any]]) -> None:
-        write_csv(self.run_dir / "metrics.csv", rows)
-        write_parquet(self.run_dir / "metrics.parquet", rows)
-        fresh = [row for row in rows if row not in was]  # a redone epoch's row is fresh again
-        if self.tensorboard is not None:
-            for row in fresh:
-                for key, value in row.items():
-                    if isinstance(value, (int, float)) and key != "epoch":
-                        self.tensorboard.add_scalar(key, value, global_step=row["epoch"])
-            self.tensorboard.flush()
-        self.trackers.log_rows(fresh)
-        if self.on_rows is not None and fresh:
-            self.on_rows(rows)
-
     def lines(self, state: RunState, was: RunState) -> list[str]:
         """What changed since the last poll, as lines for the user."""
         lines = []
@@ -234,7 +260,22 @@ class RunNews:
         if self.health == "warn" and state.health and state.health != was.health:
             lines += [s.line() for s in slow_nodes([NodeHealth.from_json(node) for node in state.health])]
         profiled, self.profiles_shown = profile_lines(state.profiles, state.world_size or 0, self.profiles_shown)
+        lines += [line] if (line := self.last_checkpoint_line(state)) else []
         return lines + profiled + self.straggler_lines(state, was)
+
+    def last_checkpoint_line(self, state: RunState) -> str | None:
+        """Once, when the ranks left their loop STORE_QUIET_S ago and the run has not ended: what it waits
+        for (the stall watch does not count that wait; a store that does not answer makes it long)."""
+        if state.phase != "finished":
+            self.finished_at = None
+            return None
+        now = time.monotonic()
+        self.finished_at = self.finished_at or now
+        if self.told_finished or now - self.finished_at < STORE_QUIET_S:
+            return None
+        self.told_finished = True
+        return (f"the ranks finished training {now - self.finished_at:.0f} s ago; the run ends once Ray Train has "
+                f"saved its last checkpoint to {self.run_dir}")
 
     def straggler_lines(self, state: RunState, was: RunState) -> list[str]:
         """A line for each rank newly slow in a part: the first epoch it was; or once, that one looked

@@ -110,8 +110,9 @@ class Sink:
     def phase(self, name: str | None) -> None:
         """Rank 0 entered a phase that is no training step, or left it (None). "validation" (the
         epoch's end) beats too, about once a second while rank 0 validates, so the stall watch counts
-        its silence; a "checkpoint" is not counted: writing one may take long (a large model, slow storage)."""
-        self.beat = None if name == "checkpoint" else time.time()
+        its silence; a "checkpoint" is not counted: writing one may take long (a large model, slow
+        storage); nor is "finished", the loop's end, after which Ray Train uploads the last checkpoint."""
+        self.beat = None if name in ("checkpoint", "finished") else time.time()
         self.update(phase=name)
 
     def ended_for_stall(self) -> None:
@@ -122,7 +123,7 @@ class Sink:
     def quiet(self) -> tuple[float | None, list[float], str | None]:
         """Seconds since rank 0's last beat (None: no group started yet, or inside a checkpoint), the
         latest gaps between its steps, and the phase it is in (None: training steps; "first step",
-        "validation", "checkpoint")."""
+        "validation", "checkpoint", "finished")."""
         return (None if self.beat is None else time.time() - self.beat), self.beat_gaps, self.state.phase
 
     def request_stop(self) -> None:
