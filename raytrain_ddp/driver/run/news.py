@@ -152,8 +152,9 @@ class RunNews:
         if quiet >= STORE_QUIET_S and not self.store_quiet:
             self.store_quiet = True
             why = first_line(error) if error is not None else "no answer yet"
+            going = "the run's end waits for it" if state.phase == "finished" else "training goes on"
             self.display.print(f"warning: the object store has taken none of the run's files for {quiet:.0f} s "
-                               f"({why}); training goes on, and they are written to {self.run_dir} once it answers")
+                               f"({why}); {going}, and they are written to {self.run_dir} once it answers")
         elif quiet == 0 and self.store_quiet:
             self.store_quiet = False
             self.display.print(f"the run's files are written to {self.run_dir} again")
