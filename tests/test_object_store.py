@@ -382,7 +382,8 @@ def test_a_store_that_stops_answering_holds_back_the_files_not_the_run(ray_head,
     gaps = [b - a for a, b in zip([0.0, *epochs], epochs)]
     assert len(epochs) == 8 and max(gaps) < 30, lines  # shown as they end, not held a request's 60 s (or 3) each
     [(warned, warning)] = [(at, text) for at, text in after if text.startswith("warning: the object store has taken none")]
-    assert 30 <= warned < 60 and "(no answer yet); " in warning, lines  # training goes on, or the end waits
+    # The first write after the store went quiet is the first epoch's row: said 30 s on, within a minute
+    assert 29 <= warned - epochs[0] < 60 and "(no answer yet); " in warning, lines  # training goes on, or the end waits
     assert not any(text.startswith("slow, not stuck") for _, text in after), lines
     assert run.returncode == 130 and ended_after < 10, (ended_after, rest)
     assert rest.strip().splitlines()[-1].startswith("stopped: stopped at once by a second Ctrl-C"), rest
